@@ -1,0 +1,7 @@
+"""`python -m densetrain` is the `densetrain` command."""
+
+import sys
+
+from densetrain.cli.main import main
+
+sys.exit(main())
