@@ -1,9 +1,123 @@
-"""Sub-commands of `densetrain` (see cli/main.py)."""
+"""`densetrain plan`: layout search for a model on a cluster, or a compute-optimal run plan.
+
+    densetrain plan --model llama3-70b --seq-len 8192 --global-batch 1024 --cluster h100 \
+        --devices 1024
+    densetrain plan --flops 1e24 --cluster h200 --devices 2048
+    densetrain plan --list-clusters [--cluster-file my_clusters.toml]
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add this module's sub-commands to subparsers."""
+    """Add the ``plan`` sub-command to ``subparsers``."""
+    p = subparsers.add_parser(
+        "plan",
+        help="rank parallel layouts by predicted throughput (or plan a compute-optimal run)",
+        description="Predict memory, FLOPs, communication and step time of every layout that "
+        "fits, rank them by tokens/s and explain the winner. With --flops, first choose the "
+        "compute-optimal model size and token count.",
+    )
+    p.add_argument("--model", default=None,
+                   help="preset name (e.g. llama3-8b) or a TOML/JSON file of ModelConfig fields "
+                   "(top level or a [model] table); with --flops, the base whose non-size "
+                   "fields are kept (default llama3-8b)")
+    p.add_argument("--flops", type=float, default=None,
+                   help="training budget in FLOPs: plan a compute-optimal run")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
+    p.add_argument("--cluster", default="h100-80gb", help="built-in or custom cluster name")
+    p.add_argument("--cluster-file", default=None, help="TOML/JSON file of custom clusters")
+    p.add_argument("--devices", type=int, default=None, help="number of accelerators")
+    p.add_argument("--precision", default="bf16-mixed",
+                   help="bf16-mixed (ZeRO paper's 2+2+12 bytes), fsdp2-bf16, fp32")
+    p.add_argument("--efficiency", type=float, default=0.6,
+                   help="share of peak FLOP/s the matmuls reach (default 0.6)")
+    p.add_argument("--no-flash", action="store_true",
+                   help="attention stores the s x s scores (no FlashAttention)")
+    p.add_argument("--max-tp", type=int, default=64)
+    p.add_argument("--max-cp", type=int, default=16)
+    p.add_argument("--top", type=int, default=10, help="rows of the ranked table")
+    p.add_argument("--list-clusters", action="store_true", help="print the cluster table")
+    p.set_defaults(func=run_plan_command)
+
+
+def _load_model(spec: str):
+    from pathlib import Path
+
+    from densetrain.models.config import ModelConfig
+
+    path = Path(spec)
+    if path.suffix in (".toml", ".json") or path.exists():
+        if not path.exists():
+            raise ValueError(f"--model: file {spec} does not exist")
+        import json
+
+        text = path.read_text()
+        if path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import tomllib  # Python >= 3.11; on 3.10 pass a .json file
+
+            data = tomllib.loads(text)
+        data = data.get("model", data)
+        return ModelConfig.from_dict(data)
+    from densetrain.models.presets import get_preset
+
+    return get_preset(spec)
+
+
+def _print_clusters(extra) -> None:
+    from densetrain.planner.hardware import BUILTIN_CLUSTERS
+
+    table = {**BUILTIN_CLUSTERS, **extra}
+    print(f"{'name':<14} {'TFLOP/s':>8} {'mem GB':>7} {'HBM TB/s':>8} {'per node':>8} "
+          f"{'intra GB/s':>10} {'inter GB/s':>10}")
+    for c in table.values():
+        print(f"{c.name:<14} {c.peak_flops / 1e12:>8.0f} {c.memory_bytes / 1e9:>7.1f} "
+              f"{c.hbm_bytes_per_s / 1e12:>8.2f} {c.devices_per_node:>8} "
+              f"{c.intra_node_bytes_per_s / 1e9:>10.0f} {c.inter_node_bytes_per_s / 1e9:>10.1f}")
+
+
+def run_plan_command(args: argparse.Namespace) -> int:
+    """Run the search (or the compute-optimal chain) and print the report."""
+    from densetrain.planner.hardware import get_cluster, load_cluster_file
+    from densetrain.planner.layout import PlanSettings
+    from densetrain.planner.report import full_report
+    from densetrain.planner.run_plan import format_run_plan, plan_run
+    from densetrain.planner.search import NoFeasibleLayoutError, SearchSpace, search
+
+    try:
+        extra = load_cluster_file(args.cluster_file) if args.cluster_file else {}
+        if args.list_clusters:
+            _print_clusters(extra)
+            return 0
+        if args.devices is None:
+            raise ValueError("--devices is required (number of accelerators)")
+        cluster = get_cluster(args.cluster, extra)
+        settings = PlanSettings(precision=args.precision, compute_efficiency=args.efficiency,
+                                flash_attention=not args.no_flash)
+        space = SearchSpace(max_tp=args.max_tp, max_cp=args.max_cp)
+        common = dict(seq_len=args.seq_len, global_batch=args.global_batch,
+                      devices=args.devices, cluster=cluster, settings=settings, space=space)
+        if args.flops is not None:
+            base = _load_model(args.model or "llama3-8b")
+            plan = plan_run(args.flops, base=base, **common)
+            print(format_run_plan(plan))
+            print()
+            print(full_report(plan.layout_plan, top=args.top))
+            return 0
+        if args.model is None:
+            raise ValueError("--model is required without --flops (a preset name or a file)")
+        result = search(_load_model(args.model), **common)
+        print(full_report(result, top=args.top))
+        return 0
+    except NoFeasibleLayoutError as e:
+        print(f"no feasible layout: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,109 @@
+"""Communication volume per device and step, by kind, and the links each kind runs over.
+
+Mesh axes are laid out outermost first as ``pp x dp_replicate x dp_shard x cp x tp`` (the order
+of ``ParallelConfig``), so a group of an axis spans (its degree x the inner degrees) consecutive
+devices and stays on the intra-node fabric iff that span fits in a node. Volumes are bytes each
+device sends with ring collectives: all-reduce 2(n-1)/n x size, all-gather and reduce-scatter
+(n-1)/n x size (Patarasuk & Yuan 2009; the factors the ZeRO paper uses).
+
+- TP (Megatron, Shoeybi et al. 2019): per layer and microbatch two all-reduces in forward and
+  two in backward of the b·s·h activations (sequence parallel swaps each for an all-gather plus a
+  reduce-scatter, the same bytes); full recompute repeats the forward's two; plus the
+  vocab-parallel embedding's forward all-reduce and the output's backward all-reduce.
+- DP/FSDP: stage 0 all-reduces gradients once a step; stage 1 reduce-scatters them and
+  all-gathers the updated parameters; stage 2 reduce-scatters every microbatch; stage 3
+  all-gathers parameters in forward and in backward and reduce-scatters gradients every
+  microbatch (1.5x stage 0 at one microbatch, as in the ZeRO paper). HSDP adds an all-reduce
+  of the gradient shard over ``dp_replicate``.
+- PP: each microbatch's activation forward and its gradient backward at every stage boundary,
+  split over tp ranks (Megatron's scatter/gather), times the virtual stages.
+- CP (ring attention): each layer passes K and V around the ring in forward, and K, V and their
+  gradients in backward.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from densetrain.models.config import ModelConfig
+from densetrain.planner.hardware import ClusterSpec
+from densetrain.planner.layout import AC_POLICIES, LayoutColumns, PlanSettings
+
+_FULL = AC_POLICIES.index("full")
+
+
+def ring_factor(n, kind: str):
+    """Bytes sent per device per byte of payload for a ring ``kind`` over ``n`` ranks."""
+    n = np.asarray(n, dtype=np.float64)
+    share = (n - 1) / n
+    return 2 * share if kind == "all_reduce" else share
+
+
+def link(cluster: ClusterSpec, span):
+    """(bandwidth, latency) per row for a group spanning ``span`` consecutive devices."""
+    inside = np.asarray(span) <= cluster.devices_per_node
+    bandwidth = np.where(inside, cluster.intra_node_bytes_per_s, cluster.inter_node_bytes_per_s)
+    latency = np.where(inside, cluster.intra_node_latency_s, cluster.inter_node_latency_s)
+    return bandwidth, latency
+
+
+def comm_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, settings: PlanSettings,
+                 cluster: ClusterSpec, mem: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Bytes sent per device per step (``*_bytes``) and unoverlapped link time (``*_s``)."""
+    _, g_bytes, _, gather_bytes = settings.bytes_per_param
+    e = settings.activation_bytes
+    m = mem["microbatches"]
+    layers = mem["stage_layers"]
+    tp, cp, shard, rep = (c.astype(np.float64) for c in (cols.tp, cols.cp, cols.dp_shard,
+                                                         cols.dp_replicate))
+    act = cols.micro_batch_size * (seq_len / cp) * cfg.dim * e  # one b·s·h activation
+    out = {}
+
+    per_layer = np.where(cols.activation_checkpointing == _FULL, 6.0, 4.0)
+    n_tp = (layers * per_layer + 2.0) * m * (tp > 1)
+    bw, lat = link(cluster, tp)
+    out["tp_bytes"] = n_tp * ring_factor(tp, "all_reduce") * act
+    out["tp_s"] = out["tp_bytes"] / bw + n_tp * lat * 2 * np.ceil(np.log2(np.maximum(tp, 2)))
+
+    kv_local = cfg.kv_dim / np.where(cfg.num_kv_heads % tp == 0, tp, 1.0)
+    kv_chunk = 2 * cols.micro_batch_size * (seq_len / cp) * kv_local * e
+    passes = np.where(cols.activation_checkpointing == _FULL, 4.0, 3.0)
+    out["cp_bytes"] = layers * m * passes * (cp - 1) * kv_chunk
+    bw, lat = link(cluster, tp * cp)
+    out["cp_s"] = out["cp_bytes"] / bw + layers * m * passes * (cp - 1) * lat
+
+    boundaries = (cols.pp > 1) * 2.0 * m * cols.pp_virtual_stages
+    out["pp_bytes"] = boundaries * act / tp
+    bw, lat = link(cluster, tp * cp * shard * rep * np.minimum(cols.pp, 2))
+    out["pp_s"] = out["pp_bytes"] / bw + boundaries * lat
+
+    out.update(_dp_comm(cols, mem, cluster, g_bytes, gather_bytes, tp * cp))
+    return out
+
+
+def _dp_comm(cols: LayoutColumns, mem: dict[str, np.ndarray], cluster: ClusterSpec,
+             g_bytes: int, gather_bytes: int, inner) -> dict[str, np.ndarray]:
+    """Per-collective DP/FSDP times (for the overlap model) and the step's DP bytes."""
+    psi = mem["stage_params"]
+    m = mem["microbatches"]
+    stage = cols.zero_stage
+    shard, rep = cols.dp_shard.astype(np.float64), cols.dp_replicate.astype(np.float64)
+    dp = shard * rep
+    bw_shard, lat_shard = link(cluster, inner * shard)
+    bw_rep, lat_rep = link(cluster, inner * shard * rep)
+    bw_all, lat_all = link(cluster, inner * dp)
+    lat_steps = lambda n: 2 * np.ceil(np.log2(np.maximum(n, 2)))  # noqa: E731
+    # stage 0: one all-reduce of all gradients over dp.
+    ar_bytes = ring_factor(dp, "all_reduce") * psi * g_bytes * (stage == 0)
+    rs_bytes = ring_factor(shard, "reduce_scatter") * psi * g_bytes * (stage > 0)
+    ag_bytes = ring_factor(shard, "all_gather") * psi * gather_bytes * (stage > 0)
+    rep_bytes = ring_factor(rep, "all_reduce") * psi / shard * g_bytes * (stage > 0)
+    t_ar = ar_bytes / bw_all + (dp > 1) * lat_all * lat_steps(dp)
+    t_rs = rs_bytes / bw_shard + (shard > 1) * lat_shard * lat_steps(shard)
+    t_ag = ag_bytes / bw_shard + (shard > 1) * lat_shard * lat_steps(shard)
+    t_rep = rep_bytes / bw_rep + (rep > 1) * lat_rep * lat_steps(rep)
+    rs_per_step = np.where(stage >= 2, m, 1.0)
+    ag_per_step = np.where(stage == 3, 2.0 * m, 1.0)
+    total = ar_bytes + rs_bytes * rs_per_step + ag_bytes * ag_per_step + rep_bytes
+    return {"dp_bytes": total, "dp_allreduce_s": t_ar, "dp_reduce_scatter_s": t_rs,
+            "dp_all_gather_s": t_ag, "dp_replicate_s": t_rep}

@@ -1,0 +1,194 @@
+"""Accelerators and clusters: peak FLOP/s, memory, and the bandwidths the step-time model uses.
+
+A ``ClusterSpec`` is one kind of accelerator plus how devices are wired: ``devices_per_node``
+share the fast intra-node fabric (NVLink, or a TPU pod's ICI torus) and talk to other nodes over
+the slower inter-node network. Bandwidths are per device and per direction, in bytes/s: the rate
+at which one device can push bytes into a ring collective (what NCCL calls bus bandwidth).
+
+Built-in entries come from the vendors' data sheets (dense bf16 tensor-core peak, no sparsity).
+Custom entries are read from a TOML or JSON file with one table per cluster::
+
+    [clusters.my-gpu]
+    peak_tflops = 500          # dense bf16
+    memory_gb = 96
+    hbm_tb_s = 3.0
+    devices_per_node = 8
+    intra_node_gb_s = 300      # per device, per direction
+    inter_node_gb_s = 25
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+try:  # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10 reads JSON cluster files only
+    tomllib = None
+
+GB = 1e9
+"""Decimal gigabyte, the unit of accelerator data sheets and of the ZeRO paper's figures."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """One accelerator type and its interconnect, as the planner models it."""
+
+    name: str
+    peak_flops: float
+    """Dense bf16 peak FLOP/s of one device."""
+    memory_bytes: float
+    """Device memory in bytes."""
+    hbm_bytes_per_s: float
+    """Device memory bandwidth (bounds the optimizer step)."""
+    devices_per_node: int
+    """Devices joined by the intra-node fabric."""
+    intra_node_bytes_per_s: float
+    """Per-device, per-direction bandwidth inside a node."""
+    inter_node_bytes_per_s: float
+    """Per-device, per-direction bandwidth between nodes."""
+    intra_node_latency_s: float = 5e-6
+    inter_node_latency_s: float = 15e-6
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "peak_flops",
+            "memory_bytes",
+            "hbm_bytes_per_s",
+            "intra_node_bytes_per_s",
+            "inter_node_bytes_per_s",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"cluster {self.name!r}: {name} must be > 0, got {value!r}")
+        if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
+            raise ValueError(
+                f"cluster {self.name!r}: devices_per_node must be a positive integer, "
+                f"got {self.devices_per_node!r}"
+            )
+        for name in ("intra_node_latency_s", "inter_node_latency_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"cluster {self.name!r}: {name} must be >= 0")
+
+
+def _gpu(name: str, tflops: float, mem_gb: float, hbm_tb_s: float, nvlink: float, net: float,
+         description: str) -> ClusterSpec:
+    return ClusterSpec(
+        name=name,
+        peak_flops=tflops * 1e12,
+        memory_bytes=mem_gb * GB,
+        hbm_bytes_per_s=hbm_tb_s * 1e12,
+        devices_per_node=8,
+        intra_node_bytes_per_s=nvlink * GB,
+        inter_node_bytes_per_s=net * GB,
+        description=description,
+    )
+
+
+# NVLink figures are the data sheets' bidirectional totals halved (A100 600 -> 300 GB/s,
+# H100/H200 900 -> 450 GB/s); the network is one NIC per GPU (HDR 200 Gb/s = 25 GB/s for
+# DGX A100, NDR 400 Gb/s = 50 GB/s for DGX H100/H200).
+BUILTIN_CLUSTERS: dict[str, ClusterSpec] = {
+    c.name: c
+    for c in (
+        _gpu("a100-40gb", 312, 40, 1.555, 300, 25, "NVIDIA A100 SXM 40GB, 8 per node, HDR IB"),
+        _gpu("a100-80gb", 312, 80, 2.039, 300, 25, "NVIDIA A100 SXM 80GB, 8 per node, HDR IB"),
+        _gpu("h100-80gb", 989, 80, 3.35, 450, 50, "NVIDIA H100 SXM 80GB, 8 per node, NDR IB"),
+        _gpu("h200-141gb", 989, 141, 4.8, 450, 50, "NVIDIA H200 SXM 141GB, 8 per node, NDR IB"),
+        # TPU v4 (Cloud TPU data sheet: 275 TFLOP/s bf16, 32 GiB HBM at 1.2 TB/s, ICI 2400 Gb/s
+        # per chip over 6 links; a ring along one torus axis uses 2 links = 100 GB/s). The "node"
+        # is one 4096-chip pod (one ICI domain); pods talk over the data-centre network, which
+        # PaLM (Chowdhery et al. 2022, sec. 4) reports as 81 Tb/s per 3072-chip pod, 3.3 GB/s
+        # per chip.
+        ClusterSpec(
+            name="tpu-v4",
+            peak_flops=275e12,
+            memory_bytes=32 * 2**30,
+            hbm_bytes_per_s=1.2e12,
+            devices_per_node=4096,
+            intra_node_bytes_per_s=100 * GB,
+            inter_node_bytes_per_s=3.3 * GB,
+            description="TPU v4-like: 4096-chip ICI pods joined by the data-centre network",
+        ),
+    )
+}
+_ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h200": "h200-141gb", "tpuv4": "tpu-v4"}
+
+_FILE_FIELDS = {
+    "peak_tflops": ("peak_flops", 1e12),
+    "memory_gb": ("memory_bytes", GB),
+    "hbm_tb_s": ("hbm_bytes_per_s", 1e12),
+    "devices_per_node": ("devices_per_node", 1),
+    "intra_node_gb_s": ("intra_node_bytes_per_s", GB),
+    "inter_node_gb_s": ("inter_node_bytes_per_s", GB),
+    "intra_node_latency_us": ("intra_node_latency_s", 1e-6),
+    "inter_node_latency_us": ("inter_node_latency_s", 1e-6),
+    "description": ("description", None),
+}
+_REQUIRED = ("peak_tflops", "memory_gb", "hbm_tb_s", "devices_per_node", "intra_node_gb_s",
+             "inter_node_gb_s")
+
+
+def load_cluster_file(path: str | Path) -> dict[str, ClusterSpec]:
+    """Read custom clusters from a TOML or JSON file (format in the module docstring).
+
+    Raises ``ValueError`` naming the file, the cluster and the field when an entry is malformed.
+    """
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix != ".json" and tomllib is None:
+        raise ValueError(f"{path}: TOML cluster files need Python >= 3.11; use a .json file")
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except ValueError as e:  # JSONDecodeError and TOMLDecodeError are ValueErrors
+        raise ValueError(f"{path}: cannot parse cluster file: {e}") from None
+    tables = data.get("clusters")
+    if not isinstance(tables, dict) or not tables:
+        raise ValueError(f"{path}: expected a non-empty [clusters.<name>] table")
+    return {name: _cluster_from_table(path, name, table) for name, table in tables.items()}
+
+
+def _cluster_from_table(path: Path, name: str, table: object) -> ClusterSpec:
+    if not isinstance(table, dict):
+        raise ValueError(f"{path}: clusters.{name} must be a table of fields")
+    unknown = sorted(set(table) - set(_FILE_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"{path}: clusters.{name} has unknown fields {unknown}; allowed: {sorted(_FILE_FIELDS)}"
+        )
+    missing = [f for f in _REQUIRED if f not in table]
+    if missing:
+        raise ValueError(f"{path}: clusters.{name} is missing required fields {missing}")
+    kwargs: dict[str, object] = {"name": name}
+    for key, value in table.items():
+        field_name, scale = _FILE_FIELDS[key]
+        if scale is None:
+            kwargs[field_name] = str(value)
+        elif field_name == "devices_per_node":
+            kwargs[field_name] = value
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            kwargs[field_name] = float(value) * scale
+        else:
+            raise ValueError(f"{path}: clusters.{name}.{key} must be a number, got {value!r}")
+    try:
+        return ClusterSpec(**kwargs)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def get_cluster(name: str, extra: dict[str, ClusterSpec] | None = None) -> ClusterSpec:
+    """Return the cluster called ``name`` from ``extra`` (custom entries) or the built-in table."""
+    table = {**BUILTIN_CLUSTERS, **(extra or {})}
+    key = name if name in table else _ALIASES.get(name.lower(), name.lower())
+    if key not in table:
+        raise ValueError(f"unknown cluster {name!r}; known: {sorted(table)} (or pass a file)")
+    return table[key]
+
+
+def with_overrides(cluster: ClusterSpec, **changes: object) -> ClusterSpec:
+    """A copy of ``cluster`` with fields replaced (validated)."""
+    return dataclasses.replace(cluster, **changes)

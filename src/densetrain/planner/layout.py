@@ -1,0 +1,211 @@
+"""What the planner varies (``Layout``), what it holds fixed (``PlanSettings``), and a columnar
+form of many layouts (``LayoutColumns``) that the vectorised models evaluate at once.
+
+Field names follow ``densetrain.parallel.config.ParallelConfig`` so that a planned layout maps
+one to one onto a ``[parallel]`` config section. ``zero_stage=0`` is plain data parallelism
+(``dp_shard=1``); stages 1-3 shard over ``dp_shard`` and replicate over ``dp_replicate`` (HSDP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+AC_POLICIES = ("none", "selective", "full")
+
+PRECISIONS: dict[str, tuple[int, int, int, int]] = {
+    # name: (param bytes, grad bytes, optimizer-state bytes, bytes per gathered/communicated param)
+    # ZeRO paper (Rajbhandari et al. 2020, sec. 3.1): fp16/bf16 params and grads, fp32 master
+    # copy + Adam momentum + variance (K = 12).
+    "bf16-mixed": (2, 2, 12, 2),
+    # FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): fp32 sharded params and
+    # grads, fp32 Adam moments; parameters are all-gathered in bf16.
+    "fsdp2-bf16": (4, 4, 8, 2),
+    "fp32": (4, 4, 8, 4),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """One way to lay a training step over devices."""
+
+    tp: int = 1
+    sequence_parallel: bool = False
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    cp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    zero_stage: int = 0
+    activation_checkpointing: str = "none"
+    micro_batch_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "pp_virtual_stages", "cp", "dp_replicate", "dp_shard",
+                     "micro_batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"layout.{name} must be a positive integer, got {value!r}")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"layout.pp_schedule must be one of {PP_SCHEDULES}, "
+                             f"got {self.pp_schedule!r}")
+        if self.activation_checkpointing not in AC_POLICIES:
+            raise ValueError(f"layout.activation_checkpointing must be one of {AC_POLICIES}, "
+                             f"got {self.activation_checkpointing!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"layout.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.zero_stage == 0 and self.dp_shard != 1:
+            raise ValueError("layout.zero_stage=0 (plain data parallel) needs dp_shard=1")
+        if self.pp_virtual_stages > 1 and self.pp_schedule != "interleaved_1f1b":
+            raise ValueError("layout.pp_virtual_stages > 1 needs pp_schedule='interleaved_1f1b'")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("layout.sequence_parallel needs tp > 1")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree (replicate x shard)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def devices(self) -> int:
+        """Devices the layout occupies."""
+        return self.dp * self.tp * self.pp * self.cp
+
+    def num_microbatches(self, global_batch: int) -> int:
+        """Microbatches per step per data-parallel rank; ``ValueError`` if they do not divide."""
+        per_step = self.dp * self.micro_batch_size
+        if global_batch % per_step:
+            raise ValueError(
+                f"global batch {global_batch} is not a multiple of dp ({self.dp}) x "
+                f"micro_batch_size ({self.micro_batch_size})"
+            )
+        return global_batch // per_step
+
+    def describe(self) -> str:
+        """Compact one-line form, e.g. ``tp8+sp pp4/1f1b cp1 dp2x64 z3 ac=none mbs1``."""
+        tp = f"tp{self.tp}" + ("+sp" if self.sequence_parallel else "")
+        pp = f"pp{self.pp}"
+        if self.pp > 1:
+            pp += f"/{self.pp_schedule}"
+            if self.pp_virtual_stages > 1:
+                pp += f"x{self.pp_virtual_stages}"
+        return (f"{tp} {pp} cp{self.cp} dp{self.dp_replicate}x{self.dp_shard} "
+                f"z{self.zero_stage} ac={self.activation_checkpointing} "
+                f"mbs{self.micro_batch_size}")
+
+    def to_parallel_config(self) -> dict[str, object]:
+        """The matching ``[parallel]`` section fields (``ParallelConfig`` names)."""
+        return {
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "tp": self.tp,
+            "pp": self.pp,
+            "cp": self.cp,
+            "zero_stage": max(self.zero_stage, 1),
+            "sequence_parallel": self.sequence_parallel,
+            "pp_schedule": self.pp_schedule,
+            "pp_virtual_stages": self.pp_virtual_stages,
+            "activation_checkpointing": self.activation_checkpointing,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSettings:
+    """Assumptions held fixed across the search."""
+
+    precision: str = "bf16-mixed"
+    """A key of ``PRECISIONS``."""
+    compute_efficiency: float = 0.6
+    """Share of peak FLOP/s that the matmuls reach (the rest of the step is modelled apart)."""
+    flash_attention: bool = True
+    """Attention that never stores the s x s scores (FlashAttention / SDPA)."""
+    attention_dropout: bool = False
+    """Dropout on attention probabilities and residual branches (masks cost 1 byte/element)."""
+    chunked_loss: bool = True
+    """Output projection + cross-entropy in chunks, so full logits are never held."""
+    activation_bytes: int = 2
+    usable_memory_fraction: float = 0.92
+    """Share of device memory the allocator can hand out (fragmentation, reserved pools)."""
+    workspace_gb: float = 1.5
+    """Framework context, communication and matmul workspaces."""
+    optimizer_bytes_touched: int = 28
+    """HBM bytes read+written per locally-updated parameter by the AdamW step."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, "
+                             f"got {self.precision!r}")
+        if not 0 < self.compute_efficiency <= 1:
+            raise ValueError(f"compute_efficiency must be in (0, 1], got {self.compute_efficiency}")
+        if not 0 < self.usable_memory_fraction <= 1:
+            raise ValueError("usable_memory_fraction must be in (0, 1], "
+                             f"got {self.usable_memory_fraction}")
+        if self.workspace_gb < 0:
+            raise ValueError(f"workspace_gb must be >= 0, got {self.workspace_gb}")
+
+    @property
+    def bytes_per_param(self) -> tuple[int, int, int, int]:
+        """(param, grad, optimizer, communicated-param) bytes per parameter."""
+        return PRECISIONS[self.precision]
+
+
+_INT_FIELDS = ("tp", "pp", "pp_virtual_stages", "cp", "dp_replicate", "dp_shard", "zero_stage",
+               "micro_batch_size")
+
+
+@dataclass(kw_only=True)
+class LayoutColumns:
+    """Many layouts as parallel numpy arrays (schedule and policy as indices into the tuples)."""
+
+    tp: np.ndarray
+    sequence_parallel: np.ndarray
+    pp: np.ndarray
+    pp_schedule: np.ndarray
+    pp_virtual_stages: np.ndarray
+    cp: np.ndarray
+    dp_replicate: np.ndarray
+    dp_shard: np.ndarray
+    zero_stage: np.ndarray
+    activation_checkpointing: np.ndarray
+    micro_batch_size: np.ndarray
+
+    @classmethod
+    def from_layouts(cls, layouts: list[Layout]) -> LayoutColumns:
+        """Columns of the given layouts, in order."""
+        cols: dict[str, np.ndarray] = {
+            name: np.array([getattr(lay, name) for lay in layouts], dtype=np.int64)
+            for name in _INT_FIELDS
+        }
+        cols["sequence_parallel"] = np.array([lay.sequence_parallel for lay in layouts], bool)
+        cols["pp_schedule"] = np.array([PP_SCHEDULES.index(lay.pp_schedule) for lay in layouts])
+        cols["activation_checkpointing"] = np.array(
+            [AC_POLICIES.index(lay.activation_checkpointing) for lay in layouts]
+        )
+        return cls(**cols)
+
+    def __len__(self) -> int:
+        return len(self.tp)
+
+    @property
+    def dp(self) -> np.ndarray:
+        """Data-parallel degree per row."""
+        return self.dp_replicate * self.dp_shard
+
+    def take(self, index: np.ndarray) -> LayoutColumns:
+        """The rows selected by a boolean mask or index array."""
+        return LayoutColumns(**{f.name: getattr(self, f.name)[index]
+                                for f in dataclasses.fields(self)})
+
+    def row(self, i: int) -> Layout:
+        """Row ``i`` as a ``Layout``."""
+        values = {name: int(getattr(self, name)[i]) for name in _INT_FIELDS}
+        return Layout(
+            **values,
+            sequence_parallel=bool(self.sequence_parallel[i]),
+            pp_schedule=PP_SCHEDULES[int(self.pp_schedule[i])],
+            activation_checkpointing=AC_POLICIES[int(self.activation_checkpointing[i])],
+        )

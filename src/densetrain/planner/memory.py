@@ -1,0 +1,150 @@
+"""Memory per device: model states by the ZeRO formulas, activations by Korthikanti et al.
+
+Model states (Rajbhandari et al. 2020, "ZeRO", sec. 5.2), for Psi parameters on one device,
+parameter/gradient/optimizer bytes (p, g, k) and a shard degree N_d:
+stage 0 (plain DP) (p+g+k)Psi; stage 1 (p+g)Psi + k Psi/N_d; stage 2 p Psi + (g+k)Psi/N_d;
+stage 3 (p+g+k)Psi/N_d.
+
+Activations per transformer layer and microbatch (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", sec. 4, 16-bit activations, 1-byte dropout masks):
+sbh(34 + 5as/h) with no parallelism, sbh(10 + 24/t + 5as/(ht)) with tensor parallelism,
+sbh/t (34 + 5as/h) with sequence parallelism, and the 5as^2b attention-core term dropped by
+selective recompute; full recompute keeps only the layer input, 2sbh. ``layer_activation_bytes``
+generalises the term list to GQA (q/kv widths), SwiGLU, any ffn width, no dropout and
+FlashAttention, and reduces to those formulas for a GPT layer (tested).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from densetrain.models.config import ModelConfig
+from densetrain.planner.layout import AC_POLICIES, PP_SCHEDULES, LayoutColumns, PlanSettings
+from densetrain.planner.params import sharded_params
+
+AC_NONE, AC_SELECTIVE, AC_FULL = (AC_POLICIES.index(p) for p in AC_POLICIES)
+GPIPE, ONE_F_ONE_B, INTERLEAVED = (PP_SCHEDULES.index(s) for s in PP_SCHEDULES)
+
+
+def zero_model_state_bytes(num_params, shard, stage, param_bytes, grad_bytes, optim_bytes):
+    """Bytes of (params, grads, optimizer states) on one device for a ZeRO ``stage`` (0-3).
+
+    Works elementwise on numpy arrays. ``num_params`` is Psi on this device after tensor and
+    pipeline splits; ``shard`` is the ZeRO shard degree N_d.
+    """
+    num_params = np.asarray(num_params, dtype=np.float64)
+    shard = np.asarray(shard, dtype=np.float64)
+    stage = np.asarray(stage)
+    params = num_params * param_bytes / np.where(stage >= 3, shard, 1.0)
+    grads = num_params * grad_bytes / np.where(stage >= 2, shard, 1.0)
+    optim = num_params * optim_bytes / np.where(stage >= 1, shard, 1.0)
+    return params, grads, optim
+
+
+def layer_activation_bytes(cfg: ModelConfig, *, seq_len, micro_batch, tp, sequence_parallel,
+                           policy, flash_attention: bool, dropout: bool, activation_bytes=2):
+    """Activation bytes one transformer layer keeps for backward, per microbatch (elementwise).
+
+    ``seq_len`` is the local sequence (s / cp); ``policy`` an index into ``AC_POLICIES``. The
+    ``full`` policy's stored input only; the recompute working set is added by the caller.
+    """
+    s, b, t = (np.asarray(x, dtype=np.float64) for x in (seq_len, micro_batch, tp))
+    sp = np.asarray(sequence_parallel, dtype=bool)
+    policy = np.asarray(policy)
+    e = activation_bytes
+    sbh = s * b * cfg.dim
+    mask = 1.0 if dropout else 0.0
+    # Replicated across tp unless sequence parallel: norm inputs, normed inputs of the qkv and
+    # first mlp linears, residual dropout masks.
+    num_norms = 1 if cfg.parallel_shared_norm else 2
+    num_linear_inputs = 1 if cfg.parallel_shared_norm else 2
+    replicated = sbh * (e * (num_norms + num_linear_inputs) + 2 * mask)
+    # Split by tp: q and k (for QK^T), v, the wo input, the mlp activation's inputs/outputs.
+    sb = s * b
+    kv_split = np.where(cfg.num_kv_heads % t == 0, t, 1.0)
+    sharded = sb * e * (2 * cfg.q_dim) / t + sb * e * 2 * cfg.kv_dim / kv_split
+    # gelu/relu: activation input and output; swiglu: gate, silu(gate), up, and their product.
+    mlp_tensors = 4 if cfg.activation == "swiglu" else 2
+    sharded = sharded + sb * e * mlp_tensors * cfg.ffn_dim / t
+    heads = cfg.num_heads
+    if flash_attention:
+        core = heads * sb * 4.0 / t  # fp32 log-sum-exp per query and head
+    else:
+        # softmax output (2as^2b); with dropout also its mask (as^2b) and output (2as^2b).
+        core = heads * s * s * b * (e + mask * (1 + e)) / t
+        core = np.where(policy == AC_SELECTIVE, 0.0, core)
+    stored = np.where(sp, replicated / t, replicated) + sharded + core
+    layer_input = np.where(sp, e * sbh / t, e * sbh)
+    return np.where(policy == AC_FULL, layer_input, stored)
+
+
+def in_flight_layers(num_layers_stage, pp, schedule, virtual_stages, microbatches):
+    """Layer-microbatches of activations the first pipeline stage holds at its peak.
+
+    1F1B keeps min(pp, m) microbatches of its layers, GPipe all m, interleaved 1F1B
+    pp (1 + (pp-1)/(pp v)) (Korthikanti et al. 2022, sec. 4.2.3); without a pipeline, one.
+    """
+    pp = np.asarray(pp, dtype=np.float64)
+    m = np.asarray(microbatches, dtype=np.float64)
+    v = np.asarray(virtual_stages, dtype=np.float64)
+    layers = np.asarray(num_layers_stage, dtype=np.float64)
+    one_f = np.minimum(pp, m)
+    factor = np.select(
+        [pp == 1, schedule == GPIPE, schedule == INTERLEAVED],
+        [1.0, m, pp * (1 + (pp - 1) / (pp * v))],
+        default=one_f,
+    )
+    return layers * factor
+
+
+def stage_tables(cfg: ModelConfig, cols: LayoutColumns):
+    """Per row: params of the fullest stage rank, params per layer, layers of that stage."""
+    keys = cols.tp * 100_000 + cols.pp
+    unique, inverse = np.unique(keys, return_inverse=True)
+    max_params = np.empty(len(unique))
+    per_layer = np.empty(len(unique))
+    for i, key in enumerate(unique):
+        tp, pp = divmod(int(key), 100_000)
+        sharded = sharded_params(cfg, tp)
+        max_params[i] = sharded.max_stage_params(pp)
+        per_layer[i] = sharded.per_layer
+    max_layers = -(-cfg.num_layers // cols.pp)
+    return max_params[inverse], per_layer[inverse], max_layers
+
+
+def memory_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: LayoutColumns,
+                   settings: PlanSettings) -> dict[str, np.ndarray]:
+    """Bytes per device by component for every row of ``cols`` (worst pipeline stage)."""
+    p_bytes, g_bytes, o_bytes, gather_bytes = settings.bytes_per_param
+    stage_params, layer_params, stage_layers = stage_tables(cfg, cols)
+    params, grads, optim = zero_model_state_bytes(
+        stage_params, cols.dp_shard, cols.zero_stage, p_bytes, g_bytes, o_bytes
+    )
+    microbatches = global_batch // (cols.dp * cols.micro_batch_size)
+    local_seq = seq_len / cols.cp
+    kwargs = dict(seq_len=local_seq, micro_batch=cols.micro_batch_size, tp=cols.tp,
+                  sequence_parallel=cols.sequence_parallel,
+                  flash_attention=settings.flash_attention, dropout=settings.attention_dropout,
+                  activation_bytes=settings.activation_bytes)
+    per_layer = layer_activation_bytes(cfg, policy=cols.activation_checkpointing, **kwargs)
+    layers_held = in_flight_layers(stage_layers, cols.pp, cols.pp_schedule,
+                                   cols.pp_virtual_stages, microbatches)
+    activations = per_layer * layers_held
+    # Full recompute rebuilds one layer's activations at a time during backward.
+    working = layer_activation_bytes(cfg, policy=np.full(len(cols), AC_NONE), **kwargs)
+    activations = activations + np.where(cols.activation_checkpointing == AC_FULL, working, 0.0)
+    tokens = local_seq * cols.micro_batch_size
+    head = 2.0 * settings.activation_bytes * tokens * cfg.embed_dim
+    head = np.where(cols.sequence_parallel, head / cols.tp, head)
+    if not settings.chunked_loss:  # bf16 logits + fp32 logits and their gradient
+        head = head + tokens * cfg.padded_vocab_size * (settings.activation_bytes + 8) / cols.tp
+    # FSDP (stage 3, shard > 1): two layers gathered (current + prefetch) and one layer of
+    # unsharded gradients waiting for reduce-scatter.
+    fsdp = (cols.zero_stage == 3) & (cols.dp_shard > 1)
+    buffers = np.where(fsdp, layer_params * (2 * gather_bytes + g_bytes), 0.0)
+    buffers = buffers + settings.workspace_gb * 1e9
+    total = params + grads + optim + activations + head + buffers
+    return {"params": params, "grads": grads, "optimizer": optim, "activations": activations,
+            "head": head, "buffers": buffers, "total": total, "stage_params": stage_params,
+            "layer_params": layer_params, "stage_layers": stage_layers.astype(np.float64),
+            "microbatches": microbatches.astype(np.float64)}

@@ -1,0 +1,121 @@
+"""FLOPs, MFU, communication volumes and the step-time model against published numbers and
+closed forms."""
+
+from __future__ import annotations
+
+import pytest
+
+from densetrain.models.presets import get_preset
+from densetrain.models.sizing import flops_per_token_palm, param_counts
+from densetrain.planner.compute import mfu, recompute_flops_per_token, stage_imbalance
+from densetrain.planner.hardware import get_cluster
+from densetrain.planner.layout import AC_POLICIES, Layout, PlanSettings
+from densetrain.planner.search import evaluate_layout
+
+
+def test_palm_mfu_from_published_numbers():
+    # PaLM (Chowdhery et al. 2022, Table 3 and Appendix B): 238.3K tokens/s on 6144 TPU v4
+    # chips at 275 TFLOP/s; 6N + 12LHQT with N = 540.35B, L = 118, H = 48, Q = 256, T = 2048.
+    per_token = 6 * 540.35e9 + 12 * 118 * 48 * 256 * 2048
+    assert round(mfu(238.3e3, per_token, 6144, 275e12), 3) == 0.462
+    palm = get_preset("palm-540b")
+    per_token = flops_per_token_palm(palm, 2048)
+    cluster = get_cluster("tpu-v4")
+    assert round(mfu(238.3e3, per_token, 6144, cluster.peak_flops), 3) == 0.462
+
+
+def test_recompute_flops():
+    cfg = get_preset("llama3-8b")
+    s = 4096
+    attention_fwd = 4 * cfg.num_layers * s * cfg.q_dim
+    full = AC_POLICIES.index("full")
+    selective = AC_POLICIES.index("selective")
+    expected_full = 2 * param_counts(cfg).non_embedding + attention_fwd
+    assert float(recompute_flops_per_token(cfg, s, full, True)) == expected_full
+    assert float(recompute_flops_per_token(cfg, s, selective, False)) == attention_fwd
+    assert float(recompute_flops_per_token(cfg, s, selective, True)) == 0.0
+    # Full recompute re-runs about a third of the layers' work (the forward).
+    ratio = (flops_per_token_palm(cfg, s) + expected_full) / flops_per_token_palm(cfg, s)
+    assert 1.25 < ratio < 4 / 3
+
+
+def test_stage_imbalance_counts_the_output_layer_on_the_last_stage():
+    cfg = get_preset("llama3-8b")
+    assert float(stage_imbalance(cfg, 4096, 1)) == 1.0
+    assert 1.0 < float(stage_imbalance(cfg, 4096, 8)) < 1.5
+
+
+def _eval(layout: Layout, *, batch: int = 64, seq: int = 4096, precision: str = "fp32",
+          cluster: str = "h100"):
+    cfg = get_preset("llama3-8b")
+    return evaluate_layout(cfg, seq, batch, layout, get_cluster(cluster),
+                           PlanSettings(precision=precision))
+
+
+def test_dp_volume_by_zero_stage_matches_the_zero_paper():
+    # ZeRO paper sec. 7: stages 1 and 2 move 2 Psi per step like DP's all-reduce; stage 3 3 Psi.
+    psi = param_counts(get_preset("llama3-8b")).total
+    n = 64
+    ring = (n - 1) / n
+    dp = _eval(Layout(dp_replicate=n, micro_batch_size=1), batch=n)
+    assert dp["dp_bytes"] == pytest.approx(2 * ring * psi * 4)
+    for stage in (1, 2):
+        z = _eval(Layout(dp_shard=n, zero_stage=stage), batch=n)
+        assert z["dp_bytes"] == pytest.approx(dp["dp_bytes"])
+    z3 = _eval(Layout(dp_shard=n, zero_stage=3), batch=n)
+    assert z3["dp_bytes"] == pytest.approx(1.5 * dp["dp_bytes"])
+
+
+def test_tp_volume_is_four_all_reduces_per_layer_and_microbatch():
+    cfg = get_preset("llama3-8b")
+    t, seq, batch = 8, 4096, 4
+    row = _eval(Layout(tp=t, micro_batch_size=1, dp_replicate=1), batch=batch, seq=seq)
+    act = seq * cfg.dim * 2
+    expected = batch * (4 * cfg.num_layers + 2) * 2 * (t - 1) / t * act
+    assert row["tp_bytes"] == pytest.approx(expected)
+    with_sp = _eval(Layout(tp=t, sequence_parallel=True), batch=batch, seq=seq)
+    assert with_sp["tp_bytes"] == pytest.approx(expected)
+    assert with_sp["mem_activations"] < row["mem_activations"]
+
+
+def test_groups_beyond_a_node_use_the_network():
+    inside = _eval(Layout(tp=8), batch=4)
+    across = _eval(Layout(tp=16), batch=4)
+    h100 = get_cluster("h100")
+    collectives = 4 * (4 * 32 + 2)  # microbatches x (4 per layer + embedding + output)
+    # Bandwidth term plus a latency of 2 log2(tp) steps per collective.
+    assert inside["tp_s"] == pytest.approx(
+        inside["tp_bytes"] / h100.intra_node_bytes_per_s
+        + collectives * h100.intra_node_latency_s * 2 * 3)
+    assert across["tp_s"] == pytest.approx(
+        across["tp_bytes"] / h100.inter_node_bytes_per_s
+        + collectives * h100.inter_node_latency_s * 2 * 4)
+
+
+def test_bubble_and_mfu_follow_their_definitions():
+    layout = Layout(pp=4, dp_replicate=2, micro_batch_size=1)
+    row = _eval(layout, batch=16)
+    m = 16 // 2
+    assert row["bubble_s"] == pytest.approx(
+        3 / m * (row["compute_s"] + row["tp_exposed_s"] + row["cp_exposed_s"]))
+    inter = _eval(Layout(pp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=2,
+                         dp_replicate=2), batch=16)
+    assert inter["bubble_s"] == pytest.approx(row["bubble_s"] / 2, rel=0.01)
+    devices = layout.devices
+    h100 = get_cluster("h100")
+    assert row["mfu"] == pytest.approx(
+        row["model_flops_per_step"] / (row["step_s"] * devices * h100.peak_flops))
+    parts = ("compute_s", "bubble_s", "tp_exposed_s", "pp_exposed_s", "cp_exposed_s",
+             "dp_exposed_s", "optimizer_s")
+    assert row["step_s"] == pytest.approx(sum(row[p] for p in parts))
+
+
+def test_bad_layouts_are_rejected_with_the_field_named():
+    with pytest.raises(ValueError, match="dp_shard=1"):
+        Layout(zero_stage=0, dp_shard=2)
+    with pytest.raises(ValueError, match="pp_schedule"):
+        Layout(pp_schedule="zigzag")
+    with pytest.raises(ValueError, match="global batch"):
+        _eval(Layout(dp_replicate=3), batch=64)
+    with pytest.raises(ValueError, match="num_heads"):
+        _eval(Layout(tp=64), batch=64)

@@ -1,0 +1,78 @@
+"""`densetrain plan` and the compute-optimal run plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from densetrain.cli.main import main
+from densetrain.models.presets import get_preset
+from densetrain.models.sizing import param_counts
+from densetrain.planner.hardware import get_cluster
+from densetrain.planner.run_plan import compute_optimal_allocation, plan_run, shape_for_params
+
+
+@pytest.mark.parametrize("target", [1e9, 7e10, 4e11])
+def test_shape_for_params_is_within_five_percent(target):
+    cfg = shape_for_params(target, get_preset("llama3-8b"))
+    assert abs(param_counts(cfg).total / target - 1) <= 0.05
+    assert cfg.num_heads % 8 == 0 and cfg.head_dim == 128
+
+
+def test_run_plan_chains_optimal_n_d_to_the_search():
+    flops = 1e23
+    n_opt, d_opt, _ = compute_optimal_allocation(flops)
+    assert 6 * n_opt * d_opt == pytest.approx(flops, rel=0.02)  # C = 6 N D
+    plan = plan_run(flops, base=get_preset("llama3-8b"), seq_len=4096, global_batch=512,
+                    devices=256, cluster=get_cluster("h100"))
+    assert abs(plan.num_params / n_opt - 1) <= 0.05
+    tokens_per_s = plan.layout_plan.row(0)["tokens_per_s"]
+    assert plan.training_days == pytest.approx(d_opt / tokens_per_s / 86400)
+
+
+def test_cli_plan_prints_winner_and_table(capsys):
+    code = main(["plan", "--model", "llama3-8b", "--seq-len", "4096", "--global-batch", "256",
+                 "--cluster", "h200", "--devices", "64", "--top", "3"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "Winner:" in out and "MFU" in out and "Close ones:" in out
+
+
+def test_cli_flops_prints_run_plan(capsys):
+    code = main(["plan", "--flops", "1e22", "--devices", "64", "--global-batch", "256"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "N_opt" in out and "days" in out and "Layout:" in out
+
+
+def test_cli_infeasible_request_says_why(capsys):
+    code = main(["plan", "--model", "palm-540b", "--cluster", "a100-40gb", "--devices", "8",
+                 "--seq-len", "2048", "--global-batch", "64"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "Binding constraint: model states" in err
+
+
+def test_cli_custom_cluster_file_and_listing(tmp_path, capsys):
+    path = tmp_path / "mine.toml"
+    path.write_text("[clusters.mygpu]\npeak_tflops = 400\nmemory_gb = 64\nhbm_tb_s = 2\n"
+                    "devices_per_node = 4\nintra_node_gb_s = 100\ninter_node_gb_s = 25\n")
+    assert main(["plan", "--list-clusters", "--cluster-file", str(path)]) == 0
+    assert "mygpu" in capsys.readouterr().out
+    assert main(["plan", "--model", "gpt2-124m", "--cluster", "mygpu", "--cluster-file",
+                 str(path), "--devices", "8", "--seq-len", "1024", "--global-batch", "64"]) == 0
+    assert "8 x mygpu" in capsys.readouterr().out
+
+
+def test_cli_bad_input_is_an_error_not_a_table(capsys):
+    assert main(["plan", "--model", "llama3-8b"]) == 2
+    assert "--devices is required" in capsys.readouterr().err
+    assert main(["plan", "--model", "no-such-model", "--devices", "8"]) == 2
+    assert "unknown model preset" in capsys.readouterr().err
+
+
+def test_cli_model_from_a_config_file(tmp_path, capsys):
+    path = tmp_path / "model.toml"
+    path.write_text("[model]\nvocab_size = 32000\ndim = 1024\nnum_layers = 8\nnum_heads = 8\n")
+    assert main(["plan", "--model", str(path), "--devices", "8", "--seq-len", "2048",
+                 "--global-batch", "32"]) == 0
+    assert "model dim 1024, 8 layers" in capsys.readouterr().out
