@@ -59,7 +59,9 @@ class ModelConfig:
     dim: int
     """Residual stream width (d_model)."""
     num_layers: int
+    """Number of decoder layers."""
     num_heads: int
+    """Query heads."""
     num_kv_heads: int | None = None
     """Key/value heads: ``num_heads`` is MHA, 1 is MQA, in between is GQA. None means num_heads."""
     head_dim: int | None = None
@@ -74,7 +76,9 @@ class ModelConfig:
 
     # --- normalisation ---
     norm_type: str = "rmsnorm"
+    """"layernorm" (GPT-2, OPT, BLOOM, NeoX, PaLM) or "rmsnorm" (LLaMA, Mistral, Qwen3)."""
     norm_eps: float = 1e-5
+    """Epsilon of every norm (QK-norm included)."""
     norm_bias: bool = False
     """LayerNorm with a bias (GPT-2, OPT, BLOOM, NeoX); ignored for RMSNorm."""
     norm_position: str = "pre"
@@ -82,19 +86,25 @@ class ModelConfig:
     embedding_norm: bool = False
     """LayerNorm right after the token embedding (BLOOM)."""
     final_norm: bool = True
+    """Norm after the last layer (``norm``); False for post-norm models such as OPT-350m."""
 
     # --- positions ---
     position_embedding: str = "rope"
+    """"rope", "learned" (absolute table: GPT-2, OPT), "alibi" (BLOOM) or "none"."""
     learned_pos_offset: int = 0
     """Rows skipped at the start of the learned position table (OPT uses 2)."""
     rope_theta: float = 10000.0
+    """RoPE base: frequencies are rope_theta^(-2i/rotary_dim)."""
     rotary_fraction: float = 1.0
     """Share of each head's dims that are rotated (GPT-NeoX 0.25, phi-1 0.5)."""
     rope_scaling: RopeScaling | None = None
+    """Llama 3.1 frequency scaling, or None."""
 
     # --- attention ---
     qkv_bias: bool = False
+    """Biases on the query, key and value projections (GPT-2, NeoX, BLOOM, OPT, Qwen2)."""
     attn_out_bias: bool = False
+    """Bias on the attention output projection ``wo``."""
     qk_norm: bool = False
     """RMSNorm over head_dim applied to queries and keys before RoPE (Qwen3)."""
     sliding_window: int | None = None
@@ -102,16 +112,21 @@ class ModelConfig:
 
     # --- feed-forward ---
     activation: str = "swiglu"
+    """"gelu" (exact erf), "gelu_tanh" (GPT-2's approximation), "relu" (OPT) or "swiglu"."""
     mlp_bias: bool = False
+    """Biases on the feed-forward projections."""
 
     # --- block ---
     block_type: str = "sequential"
-    """"sequential": x + attn(norm(x)), then + mlp(norm(.)). "parallel": x + attn(n1(x)) + mlp(n2(x))."""
+    """"sequential": x + attn(norm(x)), then + mlp(norm(.)).
+    "parallel": x + attn(n1(x)) + mlp(n2(x))."""
     parallel_shared_norm: bool = False
-    """With block_type="parallel": one norm feeds both branches (PaLM, phi-1) instead of two (NeoX)."""
+    """With block_type="parallel": one norm feeds both branches (PaLM, phi-1) instead of two
+    (NeoX)."""
 
     # --- embeddings / head ---
     tie_embeddings: bool = False
+    """Logits use ``tok_embeddings.weight``; there is no ``output.weight``."""
     lm_head_bias: bool = False
     """Bias on the output projection (phi-1)."""
     vocab_pad_multiple: int = 1
@@ -119,6 +134,7 @@ class ModelConfig:
 
     # --- initialisation ---
     init_std: float = 0.02
+    """Std of the normal initialisation of linear and embedding weights."""
     scale_residual_init: bool = True
     """Scale the std of residual output projections by 1/sqrt(2 * num_layers) (GPT-2)."""
 
@@ -126,6 +142,7 @@ class ModelConfig:
     z_loss_coef: float = 0.0
     """Weight of PaLM's auxiliary z-loss, coef * log(Z)^2 (PaLM uses 1e-4)."""
     ignore_index: int = -100
+    """Target id that is left out of the loss (and of its token count)."""
 
     dropout: float = 0.0
     """Dropout on attention probabilities and residual branches (0 for pretraining at scale)."""
@@ -160,8 +177,8 @@ class ModelConfig:
         _choice("norm_position", self.norm_position, NORM_POSITIONS)
         if self.head_dim is None:
             raise ValueError(
-                f"num_heads ({self.num_heads}) must divide dim ({self.dim}) when head_dim is unset; "
-                "set head_dim explicitly or choose num_heads dividing dim"
+                f"num_heads ({self.num_heads}) must divide dim ({self.dim}) when head_dim is "
+                "unset; set head_dim explicitly or choose num_heads dividing dim"
             )
         if self.head_dim <= 0:
             raise ValueError(f"head_dim must be positive, got {self.head_dim}")
@@ -179,7 +196,7 @@ class ModelConfig:
         if self.position_embedding == "rope":
             if not 0 < self.rotary_fraction <= 1:
                 raise ValueError(f"rotary_fraction must be in (0, 1], got {self.rotary_fraction}")
-            if self.rotary_dim % 2 != 0:
+            if self.rotary_dim % 2 != 0 or self.rotary_dim <= 0:
                 raise ValueError(
                     f"rotary dims (head_dim {self.head_dim} * rotary_fraction "
                     f"{self.rotary_fraction} = {self.rotary_dim}) must be even and positive"

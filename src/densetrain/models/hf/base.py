@@ -1,0 +1,257 @@
+"""The shared machinery of the per-family Hugging Face adapters.
+
+An adapter knows one ``model_type``: how its ``config.json`` maps to a ``ModelConfig`` (and
+back, refusing configs the family cannot express) and how its state-dict names and layouts map
+to densetrain's (docs/architecture.md). Most tensors are plain renames, given by
+``rename_pairs``; fused or transposed layouts are handled by the ``_export_special`` /
+``_import_special`` hooks. Vocabulary padding is handled here: exports carry only the
+``vocab_size`` real rows, imports pad with zeros to ``padded_vocab_size``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from densetrain.models.config import ModelConfig
+
+Tensors = dict[str, torch.Tensor]
+
+# Hugging Face activation names and the densetrain activation they compute.
+HF_ACTIVATIONS = {
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "relu": "relu",
+}
+# Inverse map used on export.
+DT_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One tensor that is a plain rename (optionally transposed) between the two layouts."""
+
+    dt: str
+    hf: str
+    transpose: bool = False
+
+
+class HFAdapter:
+    """Base class: config and state-dict mapping for one Hugging Face ``model_type``."""
+
+    model_type: str = ""
+    architecture: str = ""
+    base_prefix: str = ""
+    """Prefix of every non-head tensor (``model.``, ``transformer.`` ...)."""
+    ignored_patterns: tuple[str, ...] = ()
+    """Regexes of checkpoint entries that are buffers, not weights (skipped on import)."""
+
+    # ----------------------------------------------------------------- config
+    def config_from_hf(self, hf: dict) -> ModelConfig:
+        """``ModelConfig`` of a Hugging Face ``config.json`` dict of this family."""
+        raise NotImplementedError
+
+    def config_to_hf(self, cfg: ModelConfig) -> dict:
+        """Hugging Face ``config.json`` dict; ``ValueError`` if the family cannot express cfg."""
+        raise NotImplementedError
+
+    def required_fields(self, cfg: ModelConfig) -> dict[str, object]:
+        """``ModelConfig`` fields the family fixes, with the value it requires."""
+        return {}
+
+    def check_expressible(self, cfg: ModelConfig) -> None:
+        """Raise ``ValueError`` listing every field whose value this family cannot express."""
+        problems = [
+            f"{name}={getattr(cfg, name)!r} (needs {want!r})"
+            for name, want in self.required_fields(cfg).items()
+            if getattr(cfg, name) != want
+        ]
+        if problems:
+            raise ValueError(
+                f"cannot export this model as Hugging Face {self.model_type!r}: "
+                + "; ".join(problems)
+            )
+
+    def base_hf_config(self, cfg: ModelConfig) -> dict:
+        """Entries common to every exported ``config.json``."""
+        return {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": cfg.vocab_size,
+            "tie_word_embeddings": cfg.tie_embeddings,
+        }
+
+    # ----------------------------------------------------------------- tensors
+    def rename_pairs(self, cfg: ModelConfig) -> list[Pair]:
+        """Tensors that map one-to-one between the layouts."""
+        raise NotImplementedError
+
+    def _export_special(self, state: Tensors, cfg: ModelConfig, out: Tensors) -> None:
+        """Add the Hugging Face tensors that are not plain renames (fused layouts)."""
+
+    def _import_special(self, state: Tensors, cfg: ModelConfig, out: Tensors) -> None:
+        """Add the densetrain tensors that are not plain renames (fused layouts)."""
+
+    def dt_to_hf(self, state: Tensors, cfg: ModelConfig) -> Tensors:
+        """Map a densetrain state dict (parameter names of docs/architecture.md) to HF names."""
+        state = unpad_vocab(state, cfg)
+        out: Tensors = {}
+        for pair in self.rename_pairs(cfg):
+            tensor = state[pair.dt]
+            out[pair.hf] = tensor.t() if pair.transpose else tensor
+        self._export_special(state, cfg, out)
+        return out
+
+    def hf_to_dt(self, state: Tensors, cfg: ModelConfig) -> Tensors:
+        """Map a Hugging Face state dict (names normalised by ``normalise_key``) to densetrain."""
+        out: Tensors = {}
+        for pair in self.rename_pairs(cfg):
+            tensor = state[pair.hf]
+            out[pair.dt] = tensor.t() if pair.transpose else tensor
+        self._import_special(state, cfg, out)
+        return pad_vocab(out, cfg)
+
+    def normalise_key(self, key: str, expected: set[str]) -> str:
+        """The expected name of checkpoint entry ``key``: base models saved without a head omit
+        (part of) ``base_prefix``, which is restored here."""
+        if key in expected:
+            return key
+        parts = self.base_prefix.split(".")[:-1]
+        for end in range(1, len(parts) + 1):
+            candidate = ".".join(parts[:end]) + "." + key
+            if candidate in expected:
+                return candidate
+        return key
+
+    def is_ignored(self, key: str) -> bool:
+        """True for checkpoint entries that are buffers (attention masks, rotary caches)."""
+        return any(re.search(p, key) for p in self.ignored_patterns)
+
+
+def layer_prefixes(cfg: ModelConfig, hf_layer: str) -> list[tuple[str, str]]:
+    """(densetrain, Hugging Face) prefixes of every layer, e.g. ("layers.3.", "model.layers.3.")."""
+    return [(f"layers.{i}.", f"{hf_layer}{i}.") for i in range(cfg.num_layers)]
+
+
+def linear_pairs(dt: str, hf: str, bias: bool, transpose: bool = False) -> list[Pair]:
+    """Pairs of a linear layer (weight, and bias when present)."""
+    pairs = [Pair(dt + ".weight", hf + ".weight", transpose)]
+    if bias:
+        pairs.append(Pair(dt + ".bias", hf + ".bias"))
+    return pairs
+
+
+def norm_pairs(dt: str, hf: str, cfg: ModelConfig) -> list[Pair]:
+    """Pairs of a norm (weight, and bias for a LayerNorm with bias)."""
+    return linear_pairs(dt, hf, cfg.norm_type == "layernorm" and cfg.norm_bias)
+
+
+def fuse_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Fuse q/k/v (weights [H*hd, D] or biases [H*hd]) into the per-head interleaved layout of
+    GPT-NeoX and BLOOM: rows grouped as head 0 (q, k, v), head 1 (q, k, v), ..."""
+    rest = q.shape[1:]
+    stacked = torch.stack([t.reshape(num_heads, -1, *rest) for t in (q, k, v)], dim=1)
+    return stacked.reshape(-1, *rest)
+
+
+def split_heads(fused: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, ...]:
+    """Inverse of ``fuse_heads``: (q, k, v) from a per-head interleaved fused tensor."""
+    rest = fused.shape[1:]
+    grouped = fused.reshape(num_heads, 3, -1, *rest)
+    return tuple(grouped[:, j].reshape(-1, *rest) for j in range(3))
+
+
+_VOCAB_KEYS = ("tok_embeddings.weight", "output.weight", "output.bias")
+
+
+def unpad_vocab(state: Tensors, cfg: ModelConfig) -> Tensors:
+    """Drop vocabulary padding rows (exports carry only ``vocab_size`` rows)."""
+    if cfg.padded_vocab_size == cfg.vocab_size:
+        return state
+    state = dict(state)
+    for key in _VOCAB_KEYS:
+        if key in state:
+            state[key] = state[key][: cfg.vocab_size]
+    return state
+
+
+def pad_vocab(state: Tensors, cfg: ModelConfig) -> Tensors:
+    """Zero-pad vocabulary rows up to ``padded_vocab_size``."""
+    extra_rows = cfg.padded_vocab_size - cfg.vocab_size
+    if extra_rows == 0:
+        return state
+    for key in _VOCAB_KEYS:
+        if key in state:
+            tensor = state[key]
+            pad = tensor.new_zeros((extra_rows, *tensor.shape[1:]))
+            state[key] = torch.cat([tensor, pad], dim=0)
+    return state
+
+
+def rope_from_hf(hf: dict) -> dict:
+    """RoPE fields (theta, rotary fraction, Llama 3.1 scaling) from either config style:
+    ``rope_parameters`` (transformers >= 5) or ``rope_theta`` + ``rope_scaling`` (4.x)."""
+    params = dict(hf.get("rope_scaling") or {})
+    params.update(hf.get("rope_parameters") or {})
+    theta = params.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
+    fields: dict = {"rope_theta": float(theta)}
+    fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if fraction is None:
+        fraction = hf.get("rotary_pct")
+    if fraction is not None:
+        fields["rotary_fraction"] = float(fraction)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "llama3":
+        fields["rope_scaling"] = {
+            "factor": float(params["factor"]),
+            "low_freq_factor": float(params["low_freq_factor"]),
+            "high_freq_factor": float(params["high_freq_factor"]),
+            "original_max_seq_len": int(params["original_max_position_embeddings"]),
+        }
+    elif rope_type != "default":
+        raise ValueError(
+            f"config.json rope type {rope_type!r} is not supported; allowed: 'default', 'llama3'"
+        )
+    return fields
+
+
+def rope_to_hf(cfg: ModelConfig, *, with_fraction: bool = False) -> dict:
+    """RoPE entries of an exported config, in both the 5.x and the 4.x spelling."""
+    params: dict = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    legacy: dict = {"rope_theta": cfg.rope_theta}
+    if with_fraction:
+        params["partial_rotary_factor"] = cfg.rotary_fraction
+    if cfg.rope_scaling is not None:
+        scaling = {
+            "rope_type": "llama3",
+            "factor": cfg.rope_scaling.factor,
+            "low_freq_factor": cfg.rope_scaling.low_freq_factor,
+            "high_freq_factor": cfg.rope_scaling.high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_scaling.original_max_seq_len,
+        }
+        params.update(scaling)
+        legacy["rope_scaling"] = scaling
+    return {"rope_parameters": params, **legacy}
+
+
+def activation_from_hf(name: str, field: str) -> str:
+    """densetrain activation of HF activation ``name``; ``ValueError`` naming ``field``."""
+    if name not in HF_ACTIVATIONS:
+        raise ValueError(
+            f"config.json {field}={name!r} is not supported; allowed: {sorted(HF_ACTIVATIONS)}"
+        )
+    return HF_ACTIVATIONS[name]
+
+
+def activation_to_hf(cfg: ModelConfig, family: str) -> str:
+    """HF activation name of ``cfg.activation``; ``ValueError`` if the family cannot express it."""
+    if cfg.activation not in DT_ACTIVATIONS:
+        raise ValueError(
+            f"cannot export this model as Hugging Face {family!r}: activation="
+            f"{cfg.activation!r} (allowed: {sorted(DT_ACTIVATIONS)})"
+        )
+    return DT_ACTIVATIONS[cfg.activation]

@@ -1,0 +1,165 @@
+"""Language-model losses in fp32: cross-entropy with an ignore index and PaLM's z-loss.
+
+``cross_entropy_loss`` takes full logits. ``chunked_lm_loss`` fuses the output projection with
+the loss and runs it a chunk of tokens at a time, so the [tokens, vocab] logits never exist in
+full. Its gradients are computed during the forward pass (the loss is the last op of the graph,
+so dL/dlogits is known there) and only scaled by the incoming gradient in backward: no logits
+are recomputed, and backward costs nothing but that scale.
+
+Shape legend: B batch, S sequence, N = B·S tokens, C tokens in a chunk, E hidden width,
+V vocab_size, P padded vocab rows.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class LossOutput(NamedTuple):
+    """``loss`` (ce_loss + z_loss, differentiable), its parts (detached) and the number of
+    non-ignored target tokens (an int64 tensor, so no host sync is forced)."""
+
+    loss: torch.Tensor
+    ce_loss: torch.Tensor
+    z_loss: torch.Tensor
+    num_tokens: torch.Tensor
+
+
+def cross_entropy_loss(
+    logits_BSV: torch.Tensor,
+    targets_BS: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    z_loss_coef: float = 0.0,
+) -> LossOutput:
+    """Mean cross-entropy over non-ignored targets, computed in fp32, plus optional z-loss.
+
+    z-loss = ``z_loss_coef`` · mean(log²Z) over the same tokens, Z = sum(exp(logits))
+    (Chowdhery et al. 2022, PaLM §5 "Training Setup", coefficient 1e-4). With no counted token
+    the loss is 0.
+    """
+    logits_NV = logits_BSV.reshape(-1, logits_BSV.shape[-1]).float()
+    targets_N = targets_BS.reshape(-1)
+    valid_N = targets_N != ignore_index
+    num_tokens = valid_N.sum()
+    denominator = num_tokens.clamp(min=1).float()
+    ce_sum = F.cross_entropy(logits_NV, targets_N, ignore_index=ignore_index, reduction="sum")
+    ce_loss = ce_sum / denominator
+    if z_loss_coef > 0:
+        lse_N = torch.logsumexp(logits_NV, dim=-1)
+        z_loss = z_loss_coef * (lse_N.square() * valid_N).sum() / denominator
+    else:
+        z_loss = torch.zeros((), device=logits_NV.device)
+    loss = ce_loss + z_loss
+    return LossOutput(loss, ce_loss.detach(), z_loss.detach(), num_tokens)
+
+
+def chunked_lm_loss(
+    hidden_BSE: torch.Tensor,
+    output_weight_PE: torch.Tensor,
+    targets_BS: torch.Tensor,
+    *,
+    vocab_size: int,
+    chunk_size: int,
+    ignore_index: int = -100,
+    z_loss_coef: float = 0.0,
+    output_bias_P: torch.Tensor | None = None,
+) -> LossOutput:
+    """Output projection + ``cross_entropy_loss``, ``chunk_size`` tokens at a time.
+
+    Equals ``cross_entropy_loss(F.linear(hidden, weight, bias)[..., :vocab_size], targets)`` in
+    value and gradients (hidden, weight, bias) but peaks at [chunk_size, P] logits. Rows of
+    ``output_weight_PE`` at or beyond ``vocab_size`` (vocab padding) are never used.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+    if not 0 < vocab_size <= output_weight_PE.shape[0]:
+        raise ValueError(
+            f"vocab_size must be in [1, {output_weight_PE.shape[0]}] (rows of the output "
+            f"weight), got {vocab_size}"
+        )
+    weight_VE = output_weight_PE[:vocab_size]
+    bias_V = output_bias_P[:vocab_size] if output_bias_P is not None else None
+    hidden_NE = hidden_BSE.reshape(-1, hidden_BSE.shape[-1])
+    targets_N = targets_BS.reshape(-1)
+    needs_grad = torch.is_grad_enabled() and (
+        hidden_NE.requires_grad
+        or weight_VE.requires_grad
+        or (bias_V is not None and bias_V.requires_grad)
+    )
+    loss, ce_loss, z_loss, num_tokens = _ChunkedLMLoss.apply(
+        hidden_NE, weight_VE, bias_V, targets_N, chunk_size, ignore_index, z_loss_coef, needs_grad
+    )
+    return LossOutput(loss, ce_loss.detach(), z_loss.detach(), num_tokens)
+
+
+class _ChunkedLMLoss(torch.autograd.Function):
+    """Fused projection + loss whose forward also produces the input gradients."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden_NE,
+        weight_VE,
+        bias_V,
+        targets_N,
+        chunk_size,
+        ignore_index,
+        z_loss_coef,
+        needs_grad,
+    ):
+        valid_N = targets_N != ignore_index
+        num_tokens = valid_N.sum()
+        denominator = num_tokens.clamp(min=1).float()
+        ce_sum = torch.zeros((), dtype=torch.float32, device=hidden_NE.device)
+        z_sum = torch.zeros((), dtype=torch.float32, device=hidden_NE.device)
+        grad_hidden_NE = torch.empty_like(hidden_NE) if needs_grad else None
+        grad_weight_VE = torch.zeros_like(weight_VE, dtype=torch.float32) if needs_grad else None
+        grad_bias_V = (
+            torch.zeros(weight_VE.shape[0], dtype=torch.float32, device=hidden_NE.device)
+            if needs_grad and bias_V is not None
+            else None
+        )
+        for start in range(0, hidden_NE.shape[0], chunk_size):
+            h_CE = hidden_NE[start : start + chunk_size]
+            t_C = targets_N[start : start + chunk_size]
+            v_C = valid_N[start : start + chunk_size]
+            logits_CV = F.linear(h_CE, weight_VE, bias_V).float()
+            lse_C = torch.logsumexp(logits_CV, dim=-1)
+            safe_t_C = torch.where(v_C, t_C, torch.zeros_like(t_C))
+            target_logit_C = logits_CV.gather(1, safe_t_C.unsqueeze(1)).squeeze(1)
+            ce_sum += ((lse_C - target_logit_C) * v_C).sum()
+            z_sum += (lse_C.square() * v_C).sum()
+            if not needs_grad:
+                continue
+            # d/dlogits of sum(lse - logit_t) + c·sum(lse²): softmax·(1 + 2c·lse) - onehot(t).
+            probs_CV = torch.exp(logits_CV.sub_(lse_C.unsqueeze(1)))
+            probs_CV.mul_((1 + 2 * z_loss_coef * lse_C).unsqueeze(1))
+            probs_CV.scatter_add_(1, safe_t_C.unsqueeze(1), -torch.ones_like(lse_C).unsqueeze(1))
+            grad_logits_CV = probs_CV.mul_((v_C.float() / denominator).unsqueeze(1))
+            grad_logits_CV = grad_logits_CV.to(h_CE.dtype)
+            grad_hidden_NE[start : start + chunk_size] = grad_logits_CV @ weight_VE
+            grad_weight_VE.addmm_(grad_logits_CV.t().float(), h_CE.float())
+            if grad_bias_V is not None:
+                grad_bias_V += grad_logits_CV.float().sum(0)
+        ce_loss = ce_sum / denominator
+        z_loss = z_loss_coef * z_sum / denominator
+        if needs_grad:
+            ctx.save_for_backward(grad_hidden_NE, grad_weight_VE, grad_bias_V)
+            ctx.weight_dtype = weight_VE.dtype
+        ce_out, z_out = ce_loss.clone(), z_loss.clone()
+        ctx.mark_non_differentiable(ce_out, z_out, num_tokens)
+        return ce_loss + z_loss, ce_out, z_out, num_tokens
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_ce, _grad_z, _grad_num):
+        grad_hidden_NE, grad_weight_VE, grad_bias_V = ctx.saved_tensors
+        grad_hidden = grad_hidden_NE * grad_loss.to(grad_hidden_NE.dtype)
+        grad_weight = (grad_weight_VE * grad_loss).to(ctx.weight_dtype)
+        grad_bias = None
+        if grad_bias_V is not None:
+            grad_bias = (grad_bias_V * grad_loss).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None

@@ -1,0 +1,375 @@
+"""The dense decoder-only ``Transformer``: one configurable module for every supported family.
+
+Parameter names follow the table in docs/architecture.md (HF interop, tensor-parallel plans and
+checkpoints rely on them). ``layers`` is an ``nn.ModuleDict`` keyed "0".."L-1"; a pipeline split
+may delete layers and set ``tok_embeddings``, ``norm`` and ``output`` to None, and forward skips
+what is missing (a stage without ``tok_embeddings`` takes hidden states [B, S, D]; one without
+``output`` returns hidden states).
+
+Shape legend: B batch, S sequence, D dim, E embed_dim, V vocab_size, P padded vocab, H heads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from densetrain.models.attention import Attention, AttentionMask, build_attention_mask
+from densetrain.models.config import ModelConfig
+from densetrain.models.loss import LossOutput, chunked_lm_loss, cross_entropy_loss
+from densetrain.models.mlp import MLP
+from densetrain.models.norms import build_norm
+from densetrain.models.positions import alibi_slopes, rope_cos_sin
+
+# Wrapper names that torch.compile, activation checkpointing and FSDP1 insert into parameter
+# names; they are dropped so that a parameter's seed depends only on its place in the model.
+_WRAPPER_NAMES = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+class TransformerBlock(nn.Module):
+    """One decoder layer: sequential pre-/post-norm, or a parallel attention+MLP residual."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.parallel = config.block_type == "parallel"
+        self.post_norm = config.norm_position == "post"
+        self.dropout = config.dropout
+        self.attn_norm = build_norm(config)
+        self.attn = Attention(config)
+        shared = self.parallel and config.parallel_shared_norm
+        self.mlp_norm = None if shared else build_norm(config)
+        self.mlp = MLP(config)
+
+    def _drop(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        if self.dropout > 0 and self.training:
+            return F.dropout(x_BSD, p=self.dropout, training=True)
+        return x_BSD
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        *,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: AttentionMask,
+        kv_cache=None,
+    ) -> torch.Tensor:
+        """Apply the layer to the residual stream ``x_BSD``; returns [B, S, D]."""
+        if self.parallel:
+            attn_in_BSD = self.attn_norm(x_BSD)
+            mlp_in_BSD = attn_in_BSD if self.mlp_norm is None else self.mlp_norm(x_BSD)
+            attn_BSD = self.attn(attn_in_BSD, rope=rope, mask=mask, kv_cache=kv_cache)
+            return x_BSD + self._drop(attn_BSD) + self._drop(self.mlp(mlp_in_BSD))
+        if self.post_norm:
+            attn_BSD = self.attn(x_BSD, rope=rope, mask=mask, kv_cache=kv_cache)
+            h_BSD = self.attn_norm(x_BSD + self._drop(attn_BSD))
+            return self.mlp_norm(h_BSD + self._drop(self.mlp(h_BSD)))
+        attn_BSD = self.attn(self.attn_norm(x_BSD), rope=rope, mask=mask, kv_cache=kv_cache)
+        h_BSD = x_BSD + self._drop(attn_BSD)
+        return h_BSD + self._drop(self.mlp(self.mlp_norm(h_BSD)))
+
+
+class TiedOutput(nn.Module):
+    """Output head of a tied model: no weight of its own (the logits use the token embedding
+    matrix), only the optional ``lm_head_bias``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.bias = (
+            nn.Parameter(torch.zeros(config.padded_vocab_size)) if config.lm_head_bias else None
+        )
+
+
+class Transformer(nn.Module):
+    """Dense decoder-only transformer built from a ``ModelConfig``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.padded_vocab_size, config.embed_dim)
+        projected = config.embed_dim != config.dim
+        self.project_in = nn.Linear(config.embed_dim, config.dim, bias=False) if projected else None
+        self.pos_embeddings = None
+        if config.position_embedding == "learned":
+            rows = config.max_seq_len + config.learned_pos_offset
+            self.pos_embeddings = nn.Embedding(rows, config.dim)
+        self.embed_norm = build_norm(config) if config.embedding_norm else None
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(config) for i in range(config.num_layers)}
+        )
+        self.norm = build_norm(config) if config.final_norm else None
+        self.project_out = (
+            nn.Linear(config.dim, config.embed_dim, bias=False) if projected else None
+        )
+        self.output: nn.Module | None
+        if config.tie_embeddings:
+            self.output = TiedOutput(config)
+        else:
+            self.output = nn.Linear(
+                config.embed_dim, config.padded_vocab_size, bias=config.lm_head_bias
+            )
+        self._output_seed_name = "output.weight"
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        tokens_BS: torch.Tensor,
+        *,
+        positions_BS: torch.Tensor | None = None,
+        document_ids_BS: torch.Tensor | None = None,
+        kv_cache=None,
+    ) -> torch.Tensor:
+        """Logits [B, S, vocab_size] for token ids [B, S] (padding rows never show).
+
+        ``document_ids_BS`` (equal within a document, documents contiguous) stops attention across
+        documents and, when ``positions_BS`` is None, restarts positions at each document.
+        ``kv_cache`` (from ``densetrain.generate``) is used for incremental decoding; then
+        ``positions_BS`` must give the absolute positions of the new tokens. Without ``output``
+        (a pipeline stage) the hidden states [B, S, D] are returned instead.
+        """
+        hidden = self.forward_hidden(
+            tokens_BS, positions_BS=positions_BS, document_ids_BS=document_ids_BS, kv_cache=kv_cache
+        )
+        if self.output is None:
+            return hidden
+        return self.logits(hidden)
+
+    def forward_hidden(
+        self,
+        tokens_BS: torch.Tensor,
+        *,
+        positions_BS: torch.Tensor | None = None,
+        document_ids_BS: torch.Tensor | None = None,
+        kv_cache=None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states: the input of the output projection ([B, S, E]).
+
+        Stages without ``norm``/``output`` return the last layer's residual stream [B, S, D].
+        """
+        if self.tok_embeddings is not None:
+            batch, seq = tokens_BS.shape
+        else:
+            batch, seq = tokens_BS.shape[:2]
+        device = tokens_BS.device
+        index_1S = torch.arange(seq, device=device).unsqueeze(0)
+        if positions_BS is None:
+            positions_BS = _document_positions(document_ids_BS, index_1S)
+        h_BSD = self._embed(tokens_BS, positions_BS)
+        rope = None
+        if self.config.position_embedding == "rope":
+            rope = rope_cos_sin(self.config, positions_BS, h_BSD.dtype)
+        mask = self._attention_mask(index_1S, positions_BS, document_ids_BS, kv_cache, h_BSD.dtype)
+        for name, layer in self.layers.items():
+            layer_cache = kv_cache.layer(int(name)) if kv_cache is not None else None
+            h_BSD = layer(h_BSD, rope=rope, mask=mask, kv_cache=layer_cache)
+        if self.norm is not None:
+            h_BSD = self.norm(h_BSD)
+        if self.project_out is not None and self.output is not None:
+            h_BSD = self.project_out(h_BSD)
+        return h_BSD
+
+    def _embed(self, tokens_BS: torch.Tensor, positions_BS: torch.Tensor) -> torch.Tensor:
+        """Token (+ learned position) embeddings; identity on hidden-state stage inputs."""
+        if self.tok_embeddings is None:
+            return tokens_BS
+        h_BSD = self.tok_embeddings(tokens_BS)
+        if self.project_in is not None:
+            h_BSD = self.project_in(h_BSD)
+        if self.pos_embeddings is not None:
+            h_BSD = h_BSD + self.pos_embeddings(positions_BS + self.config.learned_pos_offset)
+        if self.embed_norm is not None:
+            h_BSD = self.embed_norm(h_BSD)
+        if self.config.dropout > 0 and self.training:
+            h_BSD = F.dropout(h_BSD, p=self.config.dropout, training=True)
+        return h_BSD
+
+    def _attention_mask(
+        self,
+        index_1S: torch.Tensor,
+        positions_BS: torch.Tensor,
+        document_ids_BS: torch.Tensor | None,
+        kv_cache,
+        dtype: torch.dtype,
+    ) -> AttentionMask:
+        cfg = self.config
+        slopes_H = alibi_slopes(cfg.num_heads) if cfg.position_embedding == "alibi" else None
+        seq = index_1S.shape[1]
+        if kv_cache is not None:
+            q_index_BQ = positions_BS.expand(-1, seq) if positions_BS.dim() == 2 else positions_BS
+            return build_attention_mask(
+                q_index_BQ=q_index_BQ,
+                k_index_BT=kv_cache.key_positions(q_index_BQ),
+                sliding_window=cfg.sliding_window,
+                alibi_slopes_H=slopes_H,
+                dtype=dtype,
+            )
+        window_applies = cfg.sliding_window is not None and cfg.sliding_window < seq
+        if slopes_H is None and document_ids_BS is None and not window_applies:
+            return AttentionMask(is_causal=True)
+        return build_attention_mask(
+            q_index_BQ=index_1S,
+            k_index_BT=index_1S,
+            sliding_window=cfg.sliding_window if window_applies else None,
+            q_doc_BQ=document_ids_BS,
+            k_doc_BT=document_ids_BS,
+            alibi_slopes_H=slopes_H,
+            dtype=dtype,
+        )
+
+    # ------------------------------------------------------------------ output and loss
+    def output_weight(self) -> torch.Tensor:
+        """The [P, E] matrix that maps hidden states to logits (the embedding when tied)."""
+        if isinstance(self.output, TiedOutput):
+            if self.tok_embeddings is None:
+                raise RuntimeError(
+                    "tied output head without tok_embeddings (a last pipeline stage): call "
+                    "untie_for_pipeline() before removing tok_embeddings"
+                )
+            return self.tok_embeddings.weight
+        if self.output is None:
+            raise RuntimeError("this model has no output head (output is None)")
+        return self.output.weight
+
+    def logits(self, hidden_BSE: torch.Tensor) -> torch.Tensor:
+        """Logits [B, S, vocab_size] from ``forward_hidden`` output (padding rows sliced off)."""
+        logits_BSP = F.linear(hidden_BSE, self.output_weight(), self.output.bias)
+        return logits_BSP[..., : self.config.vocab_size]
+
+    def compute_loss(
+        self,
+        tokens_BS: torch.Tensor,
+        targets_BS: torch.Tensor,
+        *,
+        positions_BS: torch.Tensor | None = None,
+        document_ids_BS: torch.Tensor | None = None,
+        chunk_size: int | None = None,
+    ) -> LossOutput:
+        """Language-model loss with the config's ``ignore_index`` and ``z_loss_coef``.
+
+        With ``chunk_size`` the output projection and cross-entropy run ``chunk_size`` tokens at
+        a time and full logits are never materialised (forward or backward).
+        """
+        hidden_BSE = self.forward_hidden(
+            tokens_BS, positions_BS=positions_BS, document_ids_BS=document_ids_BS
+        )
+        cfg = self.config
+        if chunk_size is None:
+            return cross_entropy_loss(
+                self.logits(hidden_BSE),
+                targets_BS,
+                ignore_index=cfg.ignore_index,
+                z_loss_coef=cfg.z_loss_coef,
+            )
+        return chunked_lm_loss(
+            hidden_BSE,
+            self.output_weight(),
+            targets_BS,
+            vocab_size=cfg.vocab_size,
+            chunk_size=chunk_size,
+            ignore_index=cfg.ignore_index,
+            z_loss_coef=cfg.z_loss_coef,
+            output_bias_P=self.output.bias,
+        )
+
+    def untie_for_pipeline(self) -> None:
+        """Give a tied model's output head its own weight (a copy of the embedding).
+
+        A pipeline whose last stage lacks ``tok_embeddings`` calls this before the split; the
+        copy is initialised by ``init_weights`` from the embedding's seed, so both copies start
+        equal. The pipeline must then all-reduce the gradients of ``tok_embeddings.weight``
+        (first stage) and ``output.weight`` (last stage) between those stages to keep them tied.
+        """
+        if not isinstance(self.output, TiedOutput):
+            return
+        cfg = self.config
+        weight = self.tok_embeddings.weight if self.tok_embeddings is not None else None
+        device = weight.device if weight is not None else next(self.parameters()).device
+        dtype = weight.dtype if weight is not None else next(self.parameters()).dtype
+        head = nn.Linear(
+            cfg.embed_dim, cfg.padded_vocab_size, bias=cfg.lm_head_bias, device=device, dtype=dtype
+        )
+        with torch.no_grad():
+            if weight is not None and device.type != "meta":
+                head.weight.copy_(weight)
+            if self.output.bias is not None and device.type != "meta":
+                head.bias.copy_(self.output.bias)
+        self.output = head
+        self._output_seed_name = "tok_embeddings.weight"
+
+    # ------------------------------------------------------------------ initialisation
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise every parameter, each from its own generator seeded by (seed, name).
+
+        normal(0, init_std) for linear and embedding weights, with residual output projections
+        (``attn.wo``, ``mlp.w_down``) scaled by 1/sqrt(2·num_layers) when
+        ``scale_residual_init`` (GPT-2, Radford et al. 2019 §2.3); zeros for biases; ones for
+        norm weights. Values are drawn on the CPU in fp32 and copied, so they are bit-identical
+        for a seed on any device, in any construction order, and for a pipeline stage holding
+        only some of the layers. Works after a meta build and ``to_empty()``, also when the
+        parameters are already sharded DTensors (FSDP2, tensor parallel): every rank draws the
+        full value and keeps its own shard, with no communication.
+        """
+        cfg = self.config
+        residual_std = cfg.init_std
+        if cfg.scale_residual_init:
+            residual_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
+        for module_name, module in self.named_modules():
+            for param_name, param in module.named_parameters(recurse=False):
+                name = _canonical_name(f"{module_name}.{param_name}" if module_name else param_name)
+                if param_name == "bias":
+                    param.zero_()
+                elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                    param.fill_(1.0)
+                elif isinstance(module, (nn.Linear, nn.Embedding)):
+                    seed_name = self._output_seed_name if name == "output.weight" else name
+                    is_residual = name.endswith(("attn.wo.weight", "mlp.w_down.weight"))
+                    std = residual_std if is_residual else cfg.init_std
+                    _write(param, _seeded_normal(param.shape, std, seed, seed_name))
+                else:
+                    raise RuntimeError(f"no initialisation rule for parameter {name}")
+
+
+def _write(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy a full fp32 value into ``param``, which may be a sharded DTensor."""
+    if hasattr(param, "device_mesh") and hasattr(param, "placements"):
+        # The one place model code touches distributed types: a parallelised model's
+        # parameters are DTensors, and each rank must keep exactly its shard of the full value.
+        # Imported lazily so that models/ runs without torch.distributed.
+        from torch.distributed.tensor import distribute_tensor
+
+        value = distribute_tensor(
+            value.to(device=param.device, dtype=param.dtype),
+            param.device_mesh,
+            param.placements,
+            src_data_rank=None,  # every rank holds the same seeded value: no scatter needed
+        )
+        param.copy_(value)
+        return
+    param.copy_(value)
+
+
+def _canonical_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
+
+
+def _seeded_normal(shape: torch.Size, std: float, seed: int, name: str) -> torch.Tensor:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+
+
+def _document_positions(
+    document_ids_BS: torch.Tensor | None, index_1S: torch.Tensor
+) -> torch.Tensor:
+    """Positions 0..S-1, restarting at every change of document id when ids are given."""
+    if document_ids_BS is None:
+        return index_1S
+    starts_BS = torch.ones_like(document_ids_BS, dtype=torch.bool)
+    starts_BS[:, 1:] = document_ids_BS[:, 1:] != document_ids_BS[:, :-1]
+    start_index_BS = torch.where(starts_BS, index_1S, torch.zeros_like(index_1S))
+    start_index_BS = torch.cummax(start_index_BS, dim=1).values
+    return index_1S - start_index_BS

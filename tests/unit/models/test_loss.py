@@ -1,0 +1,100 @@
+"""Losses against PyTorch's own cross-entropy and the PaLM z-loss formula written out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from densetrain.models.loss import chunked_lm_loss, cross_entropy_loss
+
+
+def _data(vocab=50, tokens=(3, 7), ignore_every=4):
+    torch.manual_seed(0)
+    logits = torch.randn(*tokens, vocab) * 3
+    targets = torch.randint(0, vocab, tokens)
+    targets.view(-1)[::ignore_every] = -100
+    return logits, targets
+
+
+def test_cross_entropy_matches_torch_with_ignore_index():
+    logits, targets = _data()
+    out = cross_entropy_loss(logits, targets)
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    torch.testing.assert_close(out.loss, expected)
+    assert out.num_tokens.item() == (targets != -100).sum().item()
+    assert out.z_loss.item() == 0.0
+
+
+def test_z_loss_is_coef_times_mean_squared_logsumexp():
+    logits, targets = _data()
+    out = cross_entropy_loss(logits, targets, z_loss_coef=1e-4)
+    valid = targets != -100
+    lse = torch.log(torch.exp(logits.double()).sum(-1))[valid]
+    torch.testing.assert_close(out.z_loss.double(), 1e-4 * (lse**2).mean(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(out.loss, out.ce_loss + out.z_loss)
+
+
+def test_bf16_logits_are_upcast():
+    logits, targets = _data()
+    low = logits.to(torch.bfloat16)
+    out = cross_entropy_loss(low, targets)
+    assert out.loss.dtype == torch.float32
+    expected = F.cross_entropy(low.float().flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(out.loss, expected)
+
+
+def test_all_ignored_gives_zero_not_nan():
+    logits, _ = _data()
+    out = cross_entropy_loss(logits, torch.full(logits.shape[:2], -100))
+    assert out.loss.item() == 0.0 and out.num_tokens.item() == 0
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 21, 64])
+@pytest.mark.parametrize("z_loss_coef", [0.0, 1e-3])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_chunked_equals_unchunked_values_and_gradients(chunk_size, z_loss_coef, with_bias):
+    torch.manual_seed(1)
+    vocab, padded, width = 37, 48, 16
+    hidden = torch.randn(3, 7, width, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(padded, width, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(padded, dtype=torch.float64, requires_grad=True) if with_bias else None
+    targets = torch.randint(0, vocab, (3, 7))
+    targets[0, :3] = -100
+    reference = cross_entropy_loss(
+        F.linear(hidden, weight, bias)[..., :vocab], targets, z_loss_coef=z_loss_coef
+    )
+    ref_grads = torch.autograd.grad(
+        reference.loss * 2.5, [hidden, weight] + ([bias] if bias is not None else [])
+    )
+    chunked = chunked_lm_loss(
+        hidden,
+        weight,
+        targets,
+        vocab_size=vocab,
+        chunk_size=chunk_size,
+        z_loss_coef=z_loss_coef,
+        output_bias_P=bias,
+    )
+    grads = torch.autograd.grad(
+        chunked.loss * 2.5, [hidden, weight] + ([bias] if bias is not None else [])
+    )
+    torch.testing.assert_close(chunked.loss.double(), reference.loss.double())
+    torch.testing.assert_close(chunked.z_loss.double(), reference.z_loss.double())
+    assert chunked.num_tokens.item() == reference.num_tokens.item()
+    for got, expected in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)  # both in fp32
+    assert torch.count_nonzero(grads[1][vocab:]) == 0  # padding rows never receive gradient
+
+
+def test_chunked_without_grad_and_bad_chunk_size():
+    hidden, weight = torch.randn(2, 3, 8), torch.randn(10, 8)
+    targets = torch.randint(0, 10, (2, 3))
+    with torch.no_grad():
+        out = chunked_lm_loss(hidden, weight, targets, vocab_size=10, chunk_size=4)
+    expected = cross_entropy_loss(F.linear(hidden, weight), targets)
+    torch.testing.assert_close(out.loss, expected.loss)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunked_lm_loss(hidden, weight, targets, vocab_size=10, chunk_size=0)
+    with pytest.raises(ValueError, match="vocab_size"):
+        chunked_lm_loss(hidden, weight, targets, vocab_size=11, chunk_size=4)
