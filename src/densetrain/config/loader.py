@@ -1,0 +1,250 @@
+"""Load, override, print and save ``JobConfig``s as TOML.
+
+- ``load_job_config(path, overrides)``: the embedded default job (``default_job_config()``) when
+  ``path`` is None, else a TOML file whose tables are sections (``[optim]``, ...) over the
+  dataclass defaults; then ``--section.field=value`` overrides; then ``validate()``.
+- Unknown sections or fields raise ``ValueError`` naming the file or the override and the
+  closest known names (``difflib``).
+- ``job_config_to_toml`` writes the resolved config (it loads back to an equal ``JobConfig``);
+  ``save_job_config`` writes it atomically (temporary name, then rename).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tempfile
+import typing
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, published as tomli
+    import tomli as tomllib
+
+from densetrain.config.coerce import coerce, coerce_dataclass, unknown_key_message
+from densetrain.config.job import JobConfig
+from densetrain.optim.config import OptimConfig, ScheduleConfig
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def default_job_config() -> JobConfig:
+    """The embedded default job: ``tiny-llama`` on the standard-library corpus, a few CPU minutes.
+
+    ``configs/default.toml`` spells out the same values (a test keeps them equal).
+    """
+    return JobConfig(
+        optim=OptimConfig(lr=3e-3),
+        schedule=ScheduleConfig(name="cosine", warmup_steps=30),
+    )
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(JobConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+
+
+def job_config_from_dict(data: dict, *, source: str = "<dict>", validate: bool = True) -> JobConfig:
+    """Build a ``JobConfig`` from ``{section: {field: value}}`` over the dataclass defaults.
+
+    ``source`` names where the dict came from in error messages. With ``validate`` the job is
+    validated without a world size (the trainer validates again with its own).
+    """
+    job = JobConfig()
+    _merge_into(job, data, source)
+    if validate:
+        job.validate(world_size=None)
+    return job
+
+
+def _merge_into(job: JobConfig, data: dict, source: str) -> None:
+    types_by_section = _section_types()
+    for section_name, values in data.items():
+        if section_name not in types_by_section:
+            raise ValueError(
+                unknown_key_message(section_name, section_name, list(types_by_section), source)
+            )
+        if not isinstance(values, dict):
+            raise ValueError(f"{source}: [{section_name}] must be a table, got {values!r}")
+        current = dataclasses.asdict(getattr(job, section_name))
+        for key in values:
+            if key not in current:
+                raise ValueError(
+                    unknown_key_message(f"{section_name}.{key}", key, list(current), source)
+                )
+        current.update(values)
+        try:
+            section = coerce_dataclass(current, types_by_section[section_name], section_name)
+        except ValueError as error:
+            raise ValueError(f"{source}: {error}") from None
+        setattr(job, section_name, section)
+
+
+def load_job_config(
+    path: str | os.PathLike | None,
+    overrides: list[str] | None = None,
+    *,
+    world_size: int | None = None,
+) -> JobConfig:
+    """Load ``path`` (None = the embedded default), apply ``overrides``, validate, return.
+
+    ``world_size`` None validates what does not depend on the world size (the trainer calls
+    ``job.validate(world_size=...)`` again once it knows it).
+
+    Overrides are ``--section.field=value`` (or ``--section.field value``; a bare
+    ``--section.flag`` sets a boolean to true). Nested fields use more dots:
+    ``--model.rope_scaling.factor=8``.
+    """
+    if path is None:
+        job, source = default_job_config(), "the embedded default config"
+    else:
+        source = str(path)
+        try:
+            with open(path, "rb") as handle:
+                data = tomllib.load(handle)
+        except FileNotFoundError:
+            raise ValueError(f"config file {source!r} does not exist") from None
+        except tomllib.TOMLDecodeError as error:
+            raise ValueError(f"config file {source!r} is not valid TOML: {error}") from None
+        job = job_config_from_dict(data, source=f"config file {source!r}", validate=False)
+    for key, value, text in parse_overrides(overrides or []):
+        apply_override(job, key, value, text)
+    job.validate(world_size=world_size)
+    return job
+
+
+def parse_overrides(arguments: list[str]) -> list[tuple[str, str | None, str]]:
+    """Split command-line words into ``(dotted key, value or None, original text)``."""
+    parsed, index = [], 0
+    while index < len(arguments):
+        word = arguments[index]
+        if not word.startswith("--") or len(word) <= 2:
+            raise ValueError(
+                f"override {word!r} must look like --section.field=value (e.g. --optim.lr=1e-3)"
+            )
+        body = word[2:]
+        if "=" in body:
+            key, value = body.split("=", 1)
+            parsed.append((key, value, word))
+        elif index + 1 < len(arguments) and not arguments[index + 1].startswith("--"):
+            index += 1
+            parsed.append((body, arguments[index], f"{word} {arguments[index]}"))
+        else:
+            parsed.append((body, None, word))
+        index += 1
+    return parsed
+
+
+def apply_override(job: JobConfig, key: str, value: str | None, text: str | None = None) -> None:
+    """Set ``section.field[.subfield]`` of ``job`` to ``value`` coerced to the field's type."""
+    where = f"override {text or key!r}"
+    parts = key.split(".")
+    types_by_section = _section_types()
+    if len(parts) < 2:
+        raise ValueError(f"{where}: the key must be section.field, got {key!r}")
+    if parts[0] not in types_by_section:
+        raise ValueError(unknown_key_message(parts[0], parts[0], list(types_by_section), where))
+    section_name = parts[0]
+    section_data = dataclasses.asdict(getattr(job, section_name))
+    target = section_data
+    for depth, part in enumerate(parts[1:-1], start=1):
+        dotted = ".".join(parts[: depth + 1])
+        if part not in target:
+            raise ValueError(unknown_key_message(dotted, part, list(target), where))
+        if target[part] is None:
+            target[part] = {}
+        if not isinstance(target[part], dict):
+            raise ValueError(f"{where}: {dotted} is not a table, it has no field {parts[-1]!r}")
+        target = target[part]
+    last = parts[-1]
+    is_top_field = len(parts) == 2
+    if is_top_field and last not in target:
+        raise ValueError(unknown_key_message(key, last, list(target), where))
+    if value is None:
+        value = "true"  # a bare --section.flag
+    if is_top_field:
+        hints = typing.get_type_hints(types_by_section[section_name])
+        try:
+            target[last] = coerce(value, hints[last], key)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
+    else:
+        target[last] = value  # nested: coerced with the enclosing dataclass below
+    try:
+        section = coerce_dataclass(section_data, types_by_section[section_name], section_name)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+    setattr(job, section_name, section)
+
+
+# ---------------------------------------------------------------------- TOML output
+def job_config_to_toml(job: JobConfig) -> str:
+    """The job as TOML text that ``load_job_config`` reads back into an equal ``JobConfig``.
+
+    Fields whose value is None are written as comments (TOML has no null); in ``[model]`` only
+    the overrides that are set appear.
+    """
+    lines = ["# densetrain job config (resolved)"]
+    for section_name, section in job.sections().items():
+        lines.append("")
+        lines.append(f"[{section_name}]")
+        for section_field in dataclasses.fields(section):
+            value = getattr(section, section_field.name)
+            if value is None:
+                if section_name != "model":
+                    lines.append(f"# {section_field.name} = (unset)")
+                continue
+            lines.append(f"{section_field.name} = {toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def toml_value(value: Any) -> str:
+    """One TOML value: bool, int, float, str, list, dict or dataclass (as an inline table)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        text = repr(value)
+        return text if any(c in text for c in ".eninf") else text + ".0"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if isinstance(value, dict):
+        items = [
+            f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items() if v is not None
+        ]
+        return "{" + ", ".join(items) + "}"
+    raise TypeError(f"cannot write {value!r} ({type(value).__name__}) as TOML")
+
+
+def _toml_key(key: Any) -> str:
+    key = str(key)
+    return key if _BARE_KEY.match(key) else json.dumps(key, ensure_ascii=False)
+
+
+def save_job_config(job: JobConfig, path: str | os.PathLike) -> Path:
+    """Write ``job_config_to_toml(job)`` to ``path`` atomically (temporary file, then rename)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle = tempfile.NamedTemporaryFile(
+        "w", encoding="utf-8", dir=target.parent, prefix=f".{target.name}.", suffix=".tmp",
+        delete=False,
+    )
+    try:
+        with handle:
+            handle.write(job_config_to_toml(job))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(handle.name, target)
+    except BaseException:
+        Path(handle.name).unlink(missing_ok=True)
+        raise
+    return target

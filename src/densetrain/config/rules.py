@@ -1,0 +1,178 @@
+"""Rules that span sections of a ``JobConfig``: derived values and cross-section validation.
+
+Everything here runs before any work (no data, model or process group is touched), so that a
+bad job fails in a second with a message naming the fields involved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from densetrain.config.sections import TrainingConfig
+
+if TYPE_CHECKING:
+    from densetrain.config.job import JobConfig
+
+# Stands in for the tokenizer's vocabulary when a model config is built only to validate it
+# (it replaces only placeholder vocabularies: tiny presets, or no preset).
+_VALIDATION_VOCAB = 256
+_DEFAULT_GLOBAL_BATCH = next(
+    f.default for f in dataclasses.fields(TrainingConfig) if f.name == "global_batch_size"
+)
+
+
+def data_parallel_size(job: JobConfig, world_size: int | None) -> int:
+    """dp_replicate × dp_shard of ``job.parallel`` on ``world_size`` ranks (dp_shard -1 = rest).
+
+    With ``world_size`` None (a config inspected away from its cluster) a ``dp_shard`` of -1
+    counts as 1, so the result is the part of the data-parallel size the config fixes.
+    """
+    par = job.parallel
+    others = par.tp * par.pp * par.cp * par.dp_replicate
+    if world_size is None:
+        return par.dp_replicate * max(par.dp_shard, 1)
+    if par.dp_shard == -1:
+        if world_size % others:
+            raise ValueError(
+                f"world size {world_size} is not divisible by parallel.tp × pp × cp × "
+                f"dp_replicate = {par.tp} × {par.pp} × {par.cp} × {par.dp_replicate} = {others}"
+            )
+        return par.dp_replicate * (world_size // others)
+    if others * par.dp_shard != world_size:
+        raise ValueError(
+            f"parallel degrees pp × dp_replicate × dp_shard × cp × tp = {others * par.dp_shard} "
+            f"must equal the world size {world_size}"
+        )
+    return par.dp_replicate * par.dp_shard
+
+
+def resolve_derived(job: JobConfig, dp_size: int = 1) -> None:
+    """Fill ``training.global_batch_size`` and ``schedule.warmup_steps`` from their token forms.
+
+    ``global_batch_tokens`` stays (the batch follows ``data.seq_len``); ``warmup_tokens`` is
+    converted once into ``warmup_steps`` and reset to 0, because the conversion depends on the
+    batch-size ramp and is then fixed for the run (a resumed run keeps its schedule).
+    """
+    _resolve_global_batch(job)
+    _resolve_warmup(job, dp_size)
+
+
+def _resolve_global_batch(job: JobConfig) -> None:
+    training = job.training
+    if training.global_batch_tokens <= 0:
+        return
+    seq_len = job.data.seq_len
+    if training.global_batch_tokens % seq_len:
+        raise ValueError(
+            f"training.global_batch_tokens={training.global_batch_tokens} is not divisible "
+            f"by data.seq_len={seq_len}; choose a multiple of {seq_len}"
+        )
+    derived = training.global_batch_tokens // seq_len
+    if training.global_batch_size not in (_DEFAULT_GLOBAL_BATCH, derived):
+        raise ValueError(
+            f"training.global_batch_size={training.global_batch_size} disagrees with "
+            f"training.global_batch_tokens={training.global_batch_tokens} / data.seq_len="
+            f"{seq_len} = {derived}; set only one of them"
+        )
+    training.global_batch_size = derived
+
+
+def _resolve_warmup(job: JobConfig, dp_size: int) -> None:
+    schedule = job.schedule
+    if schedule.warmup_tokens <= 0:
+        return
+    if schedule.warmup_steps > 0:
+        raise ValueError(
+            f"schedule.warmup_steps={schedule.warmup_steps} and schedule.warmup_tokens="
+            f"{schedule.warmup_tokens} are both set; set only one of them"
+        )
+    batch_schedule = job.batch_size_schedule(dp_size)
+    schedule.warmup_steps = max(1, batch_schedule.steps_for_tokens(schedule.warmup_tokens))
+    schedule.warmup_tokens = 0
+
+
+def validate_job(
+    job: JobConfig,
+    *,
+    world_size: int | None = 1,
+    dp_size: int | None = None,
+    check_model: bool = True,
+) -> None:
+    """Validate each section, resolve derived values, then check the rules across sections.
+
+    ``world_size`` None skips the checks that need it (degrees multiplying to the world size)
+    and checks batch divisibility against the data-parallel size the config fixes.
+    """
+    if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
+        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+    for name, section in job.sections().items():
+        validate = getattr(section, "validate", None)
+        if validate is None:
+            raise TypeError(f"section [{name}] ({type(section).__name__}) has no validate()")
+        validate()
+    if dp_size is None:
+        dp_size = data_parallel_size(job, world_size)
+    if not isinstance(dp_size, int) or dp_size < 1 or (world_size or dp_size) % dp_size:
+        raise ValueError(
+            f"data-parallel size must be a positive divisor of the world size {world_size}, "
+            f"got {dp_size!r}"
+        )
+    _resolve_global_batch(job)
+    _check_batch(job, dp_size)
+    _resolve_warmup(job, dp_size)
+    _check_schedule_fits_run(job)
+    if check_model and (job.model.preset or job.model.overrides()):
+        job.build_model_config(vocab_size=_VALIDATION_VOCAB)
+
+
+def _check_batch(job: JobConfig, dp_size: int) -> None:
+    training, schedule = job.training, job.schedule
+    unit = training.micro_batch_size * dp_size
+    if training.global_batch_size % unit:
+        raise ValueError(
+            f"training.global_batch_size={training.global_batch_size} is not divisible by "
+            f"training.micro_batch_size × data-parallel size = {training.micro_batch_size} × "
+            f"{dp_size} = {unit}; choose a multiple of {unit} (gradient accumulation steps = "
+            "global / (micro × dp))"
+        )
+    start = schedule.batch_ramp_start
+    if start <= 0:
+        return
+    increment = schedule.batch_ramp_increment or unit
+    if increment % unit:
+        raise ValueError(
+            f"schedule.batch_ramp_increment={increment} must be a multiple of "
+            f"training.micro_batch_size × data-parallel size = {unit}"
+        )
+    if start % unit or start >= training.global_batch_size:
+        raise ValueError(
+            f"schedule.batch_ramp_start={start} must be a multiple of micro_batch_size × "
+            f"data-parallel size = {unit} and below training.global_batch_size="
+            f"{training.global_batch_size}"
+        )
+    if (training.global_batch_size - start) % increment:
+        raise ValueError(
+            f"training.global_batch_size - schedule.batch_ramp_start = "
+            f"{training.global_batch_size - start} is not divisible by the ramp increment "
+            f"{increment} (schedule.batch_ramp_increment, 0 = micro × dp)"
+        )
+
+
+def _check_schedule_fits_run(job: JobConfig) -> None:
+    schedule, steps = job.schedule, job.training.steps
+    if schedule.warmup_steps >= steps:
+        raise ValueError(
+            f"schedule.warmup_steps={schedule.warmup_steps} must be shorter than the run "
+            f"(training.steps={steps})"
+        )
+    if schedule.name == "wsd":
+        from densetrain.optim.schedules import wsd_decay_steps
+
+        decay_steps = wsd_decay_steps(schedule, steps)
+        if schedule.warmup_steps + decay_steps > steps:
+            raise ValueError(
+                f"schedule.warmup_steps={schedule.warmup_steps} + wsd decay steps {decay_steps} "
+                f"(schedule.decay_fraction={schedule.decay_fraction} × {steps}) exceed "
+                f"training.steps={steps}"
+            )

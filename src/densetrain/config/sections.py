@@ -1,0 +1,153 @@
+"""Job config sections owned by the config package: training, checkpoint, eval and logging.
+
+The other sections live beside their code: ``DataConfig`` (data/config.py), ``ParallelConfig``
+(parallel/config.py), ``OptimConfig`` and ``ScheduleConfig`` (optim/config.py); the model section
+is derived from ``ModelConfig`` in job.py. Every section has ``validate()`` raising ``ValueError``
+naming ``section.field``, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+
+DTYPES = ("fp32", "bf16")
+NAN_POLICIES = ("stop", "skip")
+_DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    """Length, batch and numerics of the run.
+
+    Attributes:
+        steps: optimizer steps in the run (the schedule's cycle length).
+        global_batch_size: sequences per optimizer step over all data-parallel ranks.
+        global_batch_tokens: when > 0, sets ``global_batch_size = global_batch_tokens /
+            data.seq_len`` (must divide); GPT-3 and LLaMA state batches in tokens.
+        micro_batch_size: sequences per rank per forward/backward; gradient accumulation steps =
+            global_batch_size / (micro_batch_size × data-parallel size).
+        seed: seed of weight initialisation and of every other random choice of the trainer.
+        dtype: ``fp32``, or ``bf16`` (bf16 autocast with fp32 master weights and optimizer state).
+        device: ``auto`` (first GPU, else CPU), ``cpu``, ``cuda``, ``cuda:N`` or ``mps``.
+        compile: apply ``torch.compile`` to each block.
+        loss_chunk_size: positions per chunk of the output projection + cross-entropy; 0 = the
+            full logits at once.
+        nan_policy: on a non-finite loss ``stop`` the run naming the step, or ``skip`` the step.
+        init_from: initial weights (a densetrain or Hugging Face checkpoint directory); empty =
+            random initialisation.
+    """
+
+    steps: int = 300
+    global_batch_size: int = 16
+    global_batch_tokens: int = 0
+    micro_batch_size: int = 16
+    seed: int = 0
+    dtype: str = "fp32"
+    device: str = "auto"
+    compile: bool = False
+    loss_chunk_size: int = 0
+    nan_policy: str = "stop"
+    init_from: str = ""
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming ``training.<field>`` when a value is out of range."""
+        for name in ("steps", "global_batch_size", "micro_batch_size"):
+            _int_at_least(f"training.{name}", getattr(self, name), 1)
+        for name in ("global_batch_tokens", "loss_chunk_size", "seed"):
+            _int_at_least(f"training.{name}", getattr(self, name), 0)
+        _choice("training.dtype", self.dtype, DTYPES)
+        _choice("training.nan_policy", self.nan_policy, NAN_POLICIES)
+        if not _DEVICE_PATTERN.match(self.device):
+            raise ValueError(
+                f"training.device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', "
+                f"got {self.device!r}"
+            )
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """When and where checkpoints are written.
+
+    Attributes:
+        enabled: write checkpoints at all.
+        dir: checkpoint directory; empty = ``<logging.run_dir>/checkpoints``.
+        interval: save every this many steps.
+        keep_last: keep this many most recent checkpoints; 0 keeps all.
+        resume: resume from the latest complete checkpoint in ``dir`` when there is one.
+        save_final: save after the last step whatever the interval.
+    """
+
+    enabled: bool = True
+    dir: str = ""
+    interval: int = 100
+    keep_last: int = 3
+    resume: bool = True
+    save_final: bool = True
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming ``checkpoint.<field>`` when a value is out of range."""
+        _int_at_least("checkpoint.interval", self.interval, 1)
+        _int_at_least("checkpoint.keep_last", self.keep_last, 0)
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Validation loss cadence and the sample printed with it.
+
+    Attributes:
+        interval: evaluate every this many steps; 0 turns evaluation off.
+        num_batches: validation batches per evaluation.
+        sample_prompt: prompt of the greedy sample generated at each evaluation; empty = none.
+        sample_tokens: new tokens in that sample.
+    """
+
+    interval: int = 50
+    num_batches: int = 4
+    sample_prompt: str = "def "
+    sample_tokens: int = 48
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming ``eval.<field>`` when a value is out of range."""
+        _int_at_least("eval.interval", self.interval, 0)
+        _int_at_least("eval.num_batches", self.num_batches, 1)
+        _int_at_least("eval.sample_tokens", self.sample_tokens, 0)
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """Where the run writes and how much it says.
+
+    Attributes:
+        run_dir: directory of metrics (JSONL), TensorBoard events, plots and, by default,
+            checkpoints.
+        log_interval: log metrics every this many steps.
+        tensorboard: also write TensorBoard events (when tensorboard is installed).
+        progress: show a progress bar.
+        plot: write a loss-curve PNG at the end of the run.
+    """
+
+    run_dir: str = "runs/default"
+    log_interval: int = 10
+    tensorboard: bool = True
+    progress: bool = True
+    plot: bool = True
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming ``logging.<field>`` when a value is out of range."""
+        if not self.run_dir:
+            raise ValueError("logging.run_dir must be a non-empty directory path")
+        _int_at_least("logging.log_interval", self.log_interval, 1)
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}{hint}")
+
+
+def _int_at_least(name: str, value: int, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

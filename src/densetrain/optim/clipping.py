@@ -1,0 +1,52 @@
+"""Global gradient-norm clipping for plain tensors and DTensors (FSDP2 / tensor parallel).
+
+``torch.nn.utils.get_total_norm`` reduces DTensor gradients correctly (the per-tensor norms are
+partial over the shards and the result is a DTensor); the total is then made a plain tensor with
+``full_tensor()`` so that every rank scales by the same factor. Pipeline stages hold disjoint
+parameters, so their norms are combined with an all-reduce over the pipeline group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    *,
+    norm_type: float = 2.0,
+    foreach: bool | None = None,
+    error_if_nonfinite: bool = False,
+    pp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Scale gradients so that their global ``norm_type``-norm is at most ``max_norm``.
+
+    Returns the total norm before clipping (a plain tensor, equal on every rank). ``max_norm``
+    of 0 measures without clipping (``optim.grad_clip = 0``). Non-finite norms leave gradients
+    unscaled by torch's rule (and raise with ``error_if_nonfinite``).
+    """
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    if not grads:
+        return torch.tensor(0.0)
+    total = torch.nn.utils.get_total_norm(
+        grads, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach
+    )
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        if math.isinf(norm_type):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
+        else:
+            total = total ** norm_type
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
+            total = total ** (1.0 / norm_type)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+    return total
