@@ -1,9 +1,145 @@
-"""Sub-commands of `densetrain` (see cli/main.py)."""
+"""Sub-commands of `densetrain data`: train-tokenizer, prepare, inspect (see cli/main.py)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+
+
+def _train_tokenizer(args: argparse.Namespace) -> int:
+    from densetrain.data.sources import ReadStats, expand_inputs, iter_documents
+    from densetrain.data.tokenizer import train_tokenizer
+
+    stats = ReadStats()
+    files = expand_inputs(args.inputs)
+    documents = iter_documents(
+        files,
+        text_field=args.text_field,
+        on_bad_line=args.on_bad_line,
+        text_separator=args.text_separator.encode().decode("unicode_escape"),
+        stats=stats,
+    )
+    special = tuple(t.strip() for t in args.special_tokens.split(","))
+    if len(special) != 3 or not all(special):
+        raise SystemExit("--special-tokens needs three comma-separated names: BOS,EOS,PAD")
+    tokenizer = train_tokenizer(
+        documents,
+        args.output,
+        vocab_size=args.vocab_size,
+        special_tokens=special,
+        min_frequency=args.min_frequency,
+        show_progress=True,
+    )
+    print(f"saved {tokenizer} ({stats.documents} documents, read stats {stats.as_dict()})")
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from densetrain.data.dedup import MinHashConfig
+    from densetrain.data.prepare import PrepareConfig, prepare_dataset
+
+    cfg = PrepareConfig(
+        text_field=args.text_field,
+        on_bad_line=args.on_bad_line,
+        text_separator=args.text_separator.encode().decode("unicode_escape"),
+        val_fraction=args.val_fraction,
+        shard_tokens=args.shard_tokens,
+        exact_dedup=args.exact_dedup,
+        near_dedup=args.near_dedup,
+        minhash=MinHashConfig(
+            shingle_size=args.shingle_size,
+            num_perm=args.num_perm,
+            bands=args.bands,
+            threshold=args.threshold,
+        ),
+        quality_filter=args.quality_filter,
+    )
+    meta = prepare_dataset(
+        args.inputs,
+        args.output,
+        tokenizer=args.tokenizer,
+        cfg=cfg,
+        overwrite=args.overwrite,
+        max_shards=args.max_shards,
+        progress=True,
+    )
+    if meta is None:
+        print(f"stopped after {args.max_shards} shards; rerun the same command to continue")
+        return 0
+    splits = {k: (v["num_documents"], v["num_tokens"]) for k, v in meta["splits"].items()}
+    print(f"prepared {args.output}: (documents, tokens) per split {splits}, dtype {meta['dtype']}")
+    print(json.dumps(meta["counts"], indent=2))
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from densetrain.data.inspect import format_report, inspect_dataset
+
+    report = inspect_dataset(args.path, split=args.split, sample_tokens=args.sample_tokens)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def _add_reading_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("inputs", nargs="+", help="text files, directories, globs, JSONL, Parquet")
+    parser.add_argument("--text-field", default="text", help="JSONL field / Parquet column")
+    parser.add_argument(
+        "--on-bad-line",
+        choices=("error", "skip"),
+        default="error",
+        help="malformed JSONL lines: fail with file:line, or skip and count",
+    )
+    parser.add_argument(
+        "--text-separator",
+        default="",
+        help="split text files into documents at this string (e.g. '\\n\\n'); default: one "
+        "document per file",
+    )
+
+
+def _register_prepare(data_sub: argparse._SubParsersAction) -> None:
+    prep = data_sub.add_parser("prepare", help="raw text -> token shards + index + metadata")
+    _add_reading_args(prep)
+    prep.add_argument("--output", "-o", required=True, help="output dataset directory")
+    prep.add_argument("--tokenizer", required=True, help="tokenizer.json or SentencePiece .model")
+    prep.add_argument("--val-fraction", type=float, default=0.0)
+    prep.add_argument("--shard-tokens", type=int, default=1 << 24)
+    prep.add_argument("--exact-dedup", action="store_true", help="drop exact duplicates")
+    prep.add_argument("--near-dedup", action="store_true", help="drop MinHash near-duplicates")
+    prep.add_argument("--shingle-size", type=int, default=5, help="MinHash word shingle size")
+    prep.add_argument("--num-perm", type=int, default=128, help="MinHash permutations")
+    prep.add_argument("--bands", type=int, default=16, help="LSH bands (divides --num-perm)")
+    prep.add_argument("--threshold", type=float, default=0.8, help="near-duplicate Jaccard")
+    prep.add_argument("--quality-filter", action="store_true", help="Gopher quality heuristics")
+    prep.add_argument("--overwrite", action="store_true", help="replace a complete dataset")
+    prep.add_argument("--max-shards", type=int, default=0, help="stop after N shards (resumable)")
+    prep.set_defaults(func=_prepare)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add this module's sub-commands to subparsers."""
+    """Add `densetrain data {train-tokenizer,prepare,inspect}`."""
+    data = subparsers.add_parser("data", help="tokenizers and dataset preparation")
+    data_sub = data.add_subparsers(dest="data_command", metavar="DATA_COMMAND")
+
+    def _help(_args: argparse.Namespace) -> int:
+        data.print_help()
+        return 2
+
+    data.set_defaults(func=_help)
+
+    tok = data_sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer.json")
+    _add_reading_args(tok)
+    tok.add_argument("--output", "-o", required=True, help="path of the tokenizer.json to write")
+    tok.add_argument("--vocab-size", type=int, required=True)
+    tok.add_argument("--special-tokens", default="<|bos|>,<|eos|>,<|pad|>", help="BOS,EOS,PAD")
+    tok.add_argument("--min-frequency", type=int, default=2)
+    tok.set_defaults(func=_train_tokenizer)
+
+    _register_prepare(data_sub)
+
+    insp = data_sub.add_parser("inspect", help="counts, token statistics, a decoded sample")
+    insp.add_argument("path", help="prepared dataset directory")
+    insp.add_argument("--split", default="train")
+    insp.add_argument("--sample-tokens", type=int, default=200)
+    insp.add_argument("--json", action="store_true", help="print JSON")
+    insp.set_defaults(func=_inspect)

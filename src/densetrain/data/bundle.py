@@ -1,0 +1,105 @@
+"""``build_data``: a ``DataConfig`` -> train/validation ``BatchStream`` and ``Tokenizer``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from densetrain.data.config import DataConfig
+from densetrain.data.default_corpus import ensure_default_corpus
+from densetrain.data.shards import TokenStore, load_metadata
+from densetrain.data.stream import BatchStream
+from densetrain.data.tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclass(kw_only=True)
+class DataBundle:
+    """What a training job gets from the data layer."""
+
+    train: BatchStream
+    val: BatchStream | None
+    tokenizer: Tokenizer
+
+
+def _dataset_tokenizer(paths: list[Path], metas: list[dict], expected: str) -> Tokenizer:
+    """The datasets' shared tokenizer; errors when datasets or the run's tokenizer differ."""
+    first = metas[0]["tokenizer"]["fingerprint"]
+    for path, meta in zip(paths, metas, strict=True):
+        if meta["tokenizer"]["fingerprint"] != first:
+            raise ValueError(
+                f"dataset {path} was prepared with a different tokenizer than {paths[0]} "
+                f"(fingerprints {meta['tokenizer']['fingerprint'][:12]} vs {first[:12]}); "
+                "prepare every dataset of a mixture with the same tokenizer"
+            )
+    tokenizer = load_tokenizer(paths[0] / metas[0]["tokenizer"]["file"])
+    if expected:
+        wanted = load_tokenizer(expected)
+        if wanted.fingerprint != first:
+            raise ValueError(
+                f"data.tokenizer {expected} differs from the tokenizer the datasets were "
+                f"prepared with (fingerprint {wanted.fingerprint[:12]} vs {first[:12]}); "
+                "prepare the data again with this tokenizer"
+            )
+        tokenizer = wanted
+    if tokenizer.fingerprint != first:
+        raise ValueError(f"{tokenizer.path} does not match the fingerprint in its meta.json")
+    return tokenizer
+
+
+def _stream(cfg: DataConfig, stores, weights, names, dp_rank: int, dp_size: int) -> BatchStream:
+    return BatchStream(
+        stores,
+        weights,
+        seq_len=cfg.seq_len,
+        seed=cfg.seed,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        document_masking=cfg.document_masking,
+        max_epochs_warning=cfg.max_epochs_warning,
+        names=names,
+    )
+
+
+def build_data(cfg: DataConfig, *, dp_rank: int = 0, dp_size: int = 1) -> DataBundle:
+    """Open (or, for the default corpus, first prepare) the datasets and build the streams."""
+    cfg.validate()
+    if cfg.datasets:
+        paths = [Path(p) for p in cfg.datasets]
+    else:
+        paths = [
+            ensure_default_corpus(
+                cache_dir=cfg.cache_dir,
+                vocab_size=cfg.default_vocab_size,
+                max_files=cfg.default_max_files,
+                val_fraction=cfg.default_val_fraction,
+            )
+        ]
+    metas = [load_metadata(p) for p in paths]
+    tokenizer = _dataset_tokenizer(paths, metas, cfg.tokenizer)
+    weights = list(cfg.weights) if cfg.weights else [1.0] * len(paths)
+    names = [str(p) for p in paths]
+    train = _stream(
+        cfg,
+        [TokenStore(p, "train", m) for p, m in zip(paths, metas, strict=True)],
+        weights,
+        names,
+        dp_rank,
+        dp_size,
+    )
+    val = None
+    if cfg.use_val:
+        with_val = [
+            i
+            for i, m in enumerate(metas)
+            if m["splits"].get("val", {}).get("num_tokens", 0) > cfg.seq_len
+        ]
+        if with_val and sum(weights[i] for i in with_val) > 0:
+            val = _stream(
+                cfg,
+                [TokenStore(paths[i], "val", metas[i]) for i in with_val],
+                [weights[i] for i in with_val],
+                [names[i] for i in with_val],
+                dp_rank,
+                dp_size,
+            )
+    return DataBundle(train=train, val=val, tokenizer=tokenizer)

@@ -1,0 +1,372 @@
+"""``prepare``: raw text -> filtered, deduplicated, tokenized shards with metadata.
+
+Documents stream in fixed order; every ``batch_bytes`` of text they are filtered, deduplicated,
+split into train/validation by a hash of the document (stable across runs and machine counts)
+and tokenized with the tokenizer's parallel batch encoder (all cores). EOS follows every
+document. When the train buffer reaches ``shard_tokens`` the buffers are committed: shard files,
+the dedup state they added, then ``progress.json``, each renamed into place. A rerun after an
+interruption skips the documents already committed and produces byte-identical shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import shutil
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from densetrain.data.dedup import ExactDeduplicator, MinHashConfig, MinHashDeduplicator
+from densetrain.data.filters import QualityConfig, quality_reason
+from densetrain.data.shards import (
+    FORMAT,
+    META_FILE,
+    atomic_write_json,
+    dtype_for_vocab,
+    write_shard,
+)
+from densetrain.data.sources import ReadStats, describe_sources, expand_inputs, iter_documents
+from densetrain.data.tokenizer import Tokenizer, load_tokenizer
+
+PROGRESS_FILE = "progress.json"
+
+
+@dataclass(kw_only=True)
+class PrepareConfig:
+    """Settings of ``prepare`` (all affect the output; a resume must use the same ones)."""
+
+    text_field: str = "text"
+    on_bad_line: str = "error"
+    text_separator: str = ""
+    val_fraction: float = 0.0
+    shard_tokens: int = 1 << 24
+    batch_bytes: int = 1 << 22
+    exact_dedup: bool = False
+    near_dedup: bool = False
+    minhash: MinHashConfig = field(default_factory=MinHashConfig)
+    quality_filter: bool = False
+    quality: QualityConfig = field(default_factory=QualityConfig)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad field."""
+        if not (0.0 <= self.val_fraction < 1.0):
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.shard_tokens < 1:
+            raise ValueError(f"shard_tokens must be >= 1, got {self.shard_tokens}")
+        if self.batch_bytes < 1:
+            raise ValueError(f"batch_bytes must be >= 1, got {self.batch_bytes}")
+        if self.on_bad_line not in ("error", "skip"):
+            raise ValueError(f"on_bad_line must be 'error' or 'skip', got {self.on_bad_line!r}")
+        self.minhash.validate()
+
+    def settings_hash(self) -> str:
+        """A hash of every setting (stored in progress; a resume must match it)."""
+        state = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+        return hashlib.sha256(state.encode()).hexdigest()
+
+
+def _is_val(text: str, val_fraction: float) -> bool:
+    if val_fraction <= 0:
+        return False
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64 < val_fraction
+
+
+class _Buffer:
+    """Token ids (already in the shard dtype) and document lengths waiting for a commit."""
+
+    def __init__(self, dtype: np.dtype, vocab_size: int) -> None:
+        self.dtype, self.vocab_size = dtype, vocab_size
+        self.chunks: list[np.ndarray] = []
+        self.lengths: list[int] = []
+        self.num_tokens = 0
+
+    def add(self, token_lists: list[list[int]], eos_id: int) -> None:
+        """Append documents (EOS after each), checking every id fits the vocabulary and dtype."""
+        for ids in token_lists:
+            ids.append(eos_id)
+            self.lengths.append(len(ids))
+        total = sum(len(ids) for ids in token_lists)
+        flat = np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, count=total)
+        top, low = int(flat.max()), int(flat.min())
+        if top >= self.vocab_size or top > np.iinfo(self.dtype).max or low < 0:
+            raise ValueError(
+                f"token id {top if low >= 0 else low} is outside the tokenizer's vocabulary "
+                f"({self.vocab_size}) or the shard dtype {self.dtype}; no shard was written "
+                "for these documents"
+            )
+        self.chunks.append(flat.astype(self.dtype))
+        self.num_tokens += total
+
+    def take(self) -> tuple[np.ndarray, np.ndarray]:
+        """Everything buffered (tokens, document lengths); the buffer is then empty."""
+        tokens = np.concatenate(self.chunks) if self.chunks else np.zeros(0, self.dtype)
+        lengths = np.asarray(self.lengths, dtype=np.int64)
+        self.chunks, self.lengths, self.num_tokens = [], [], 0
+        return tokens, lengths
+
+
+class _Preparer:
+    """One prepare run (fresh or resumed) over an output directory."""
+
+    def __init__(self, files: list[Path], out: Path, tokenizer: Tokenizer, cfg: PrepareConfig):
+        self.files, self.out, self.tok, self.cfg = files, out, tokenizer, cfg
+        self.dtype = dtype_for_vocab(tokenizer.vocab_size)
+        self.read_stats = ReadStats()
+        self.exact = ExactDeduplicator() if cfg.exact_dedup else None
+        self.near = MinHashDeduplicator(cfg.minhash) if cfg.near_dedup else None
+        self.buffers = {
+            split: _Buffer(self.dtype, tokenizer.vocab_size) for split in ("train", "val")
+        }
+        self.state = {
+            "settings_hash": cfg.settings_hash(),
+            "tokenizer_fingerprint": tokenizer.fingerprint,
+            "sources": describe_sources(files),
+            "consumed_documents": 0,
+            "commits": 0,
+            "kept_documents": {"train": 0, "val": 0},
+            "removed": {},
+            "shards": {"train": [], "val": []},
+            "dedup_files": [],
+        }
+
+    def resume_or_start(self) -> None:
+        """Load ``progress.json`` if present (checking inputs and settings), clean orphans."""
+        path = self.out / PROGRESS_FILE
+        if path.exists():
+            saved = json.loads(path.read_text())
+            for key in ("settings_hash", "tokenizer_fingerprint", "sources"):
+                if saved[key] != self.state[key]:
+                    raise ValueError(
+                        f"{self.out} holds an interrupted prepare with a different {key}; "
+                        "rerun with the same inputs and settings, or pass overwrite=True"
+                    )
+            self.state = saved
+            self._restore_dedup()
+        listed = {e[k] for s in self.state["shards"].values() for e in s for k in ("file", "docs")}
+        listed.update(self.state["dedup_files"])
+        for stale in self.out.glob("*.tmp"):
+            stale.unlink()
+        for sub in ("train", "val", "dedup"):
+            for p in sorted((self.out / sub).glob("*")) if (self.out / sub).is_dir() else []:
+                if f"{sub}/{p.name}" not in listed:
+                    p.unlink()  # temporary or uncommitted file of an interrupted run
+
+    def _restore_dedup(self) -> None:
+        for name in self.state["dedup_files"]:
+            with np.load(self.out / name) as saved:
+                if self.exact is not None:
+                    self.exact.seen.update(int(h) for h in saved["exact"])
+                if self.near is not None and len(saved["minhash"]):
+                    self.near.restore(saved["minhash"])
+
+    def _keep(self, text: str, removed: Counter) -> bool:
+        if not text.strip():
+            removed["empty"] += 1
+            return False
+        if self.cfg.quality_filter:
+            reason = quality_reason(text, self.cfg.quality)
+            if reason is not None:
+                removed[f"quality:{reason}"] += 1
+                return False
+        if self.exact is not None and self.exact.is_duplicate(text):
+            removed["exact_duplicate"] += 1
+            return False
+        if self.near is not None and self.near.is_duplicate(text):
+            removed["near_duplicate"] += 1
+            return False
+        return True
+
+    def process_batch(self, texts: list[str]) -> None:
+        """Filter, dedup, split and tokenize one batch of documents into the buffers."""
+        removed: Counter = Counter()
+        kept = {"train": [], "val": []}
+        for text in texts:
+            if self._keep(text, removed):
+                kept["val" if _is_val(text, self.cfg.val_fraction) else "train"].append(text)
+        for reason, count in removed.items():
+            self.state["removed"][reason] = self.state["removed"].get(reason, 0) + count
+        for split, split_texts in kept.items():
+            if split_texts:
+                self.buffers[split].add(self.tok.encode_batch(split_texts), self.tok.eos_id)
+                self.state["kept_documents"][split] += len(split_texts)
+        self.state["consumed_documents"] += len(texts)
+
+    def commit(self) -> None:
+        """Write the buffered shards and the dedup state they add, then the progress file."""
+        index = self.state["commits"]
+        for split, buffer in self.buffers.items():
+            if buffer.num_tokens == 0:
+                continue
+            tokens, lengths = buffer.take()
+            entry = write_shard(self.out, split, index, tokens, lengths)
+            self.state["shards"][split].append(entry)
+        if self.exact is not None or self.near is not None:
+            self._write_dedup(index)
+        self.state["commits"] = index + 1
+        atomic_write_json(self.out / PROGRESS_FILE, self.state)
+
+    def _write_dedup(self, index: int) -> None:
+        exact = np.asarray(self.exact.new_hashes if self.exact else [], dtype=np.uint64)
+        num_perm = self.cfg.minhash.num_perm
+        near = (
+            np.stack(self.near.new_signatures)
+            if self.near is not None and self.near.new_signatures
+            else np.zeros((0, num_perm), dtype=np.uint32)
+        )
+        name = f"dedup/{index:05d}.npz"
+        (self.out / "dedup").mkdir(exist_ok=True)
+        tmp = self.out / (name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, exact=exact, minhash=near)
+        os.replace(tmp, self.out / name)
+        self.state["dedup_files"].append(name)
+        if self.exact is not None:
+            self.exact.new_hashes.clear()
+        if self.near is not None:
+            self.near.new_signatures.clear()
+
+    def run(self, max_shards: int, progress: bool) -> bool:
+        """Stream every document; return True when finished, False when stopped early."""
+        skip = self.state["consumed_documents"]
+        documents = iter_documents(
+            self.files,
+            text_field=self.cfg.text_field,
+            on_bad_line=self.cfg.on_bad_line,
+            text_separator=self.cfg.text_separator,
+            stats=self.read_stats,
+        )
+        batch: list[str] = []
+        batch_bytes = 0
+        bar = _progress_bar(progress, sum(s["bytes"] for s in self.state["sources"]))
+        for text in itertools.islice(documents, skip, None):
+            batch.append(text)
+            batch_bytes += len(text)
+            if batch_bytes < self.cfg.batch_bytes:
+                continue
+            self.process_batch(batch)
+            bar.update(batch_bytes)
+            batch, batch_bytes = [], 0
+            if self.buffers["train"].num_tokens >= self.cfg.shard_tokens:
+                self.commit()
+                if max_shards and self.state["commits"] >= max_shards:
+                    bar.close()
+                    return False
+        if batch:
+            self.process_batch(batch)
+            bar.update(batch_bytes)
+        self.commit()
+        bar.close()
+        return True
+
+    def metadata(self) -> dict:
+        """The final ``meta.json`` content."""
+        splits = {}
+        for split, shards in self.state["shards"].items():
+            splits[split] = {
+                "shards": shards,
+                "num_tokens": sum(s["num_tokens"] for s in shards),
+                "num_documents": sum(s["num_documents"] for s in shards),
+            }
+        return {
+            "format": FORMAT,
+            "dtype": self.dtype.name,
+            "tokenizer": {
+                "fingerprint": self.tok.fingerprint,
+                "vocab_size": self.tok.vocab_size,
+                "eos_id": self.tok.eos_id,
+                "file": Path(self.tok.path).name
+                if self.tok.kind == "sentencepiece"
+                else "tokenizer.json",
+            },
+            "splits": splits,
+            "sources": self.state["sources"],
+            "counts": {
+                "read": self.read_stats.as_dict(),
+                "removed": dict(sorted(self.state["removed"].items())),
+                "kept_documents": self.state["kept_documents"],
+            },
+            "settings": dataclasses.asdict(self.cfg),
+        }
+
+
+class _NoBar:
+    """A progress bar that shows nothing."""
+
+    def update(self, n: int) -> None:
+        """Ignore progress."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+def _progress_bar(enabled: bool, total: int):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc="prepare")
+
+
+def _copy_tokenizer(tok: Tokenizer, destination: Path) -> None:
+    """Copy the tokenizer file (and a Hugging Face ``tokenizer_config.json`` beside it)."""
+    source = Path(tok.path)
+    pairs = [(source, destination)]
+    if (source.parent / "tokenizer_config.json").is_file() and tok.kind == "hf":
+        pairs.append(
+            (source.parent / "tokenizer_config.json", destination.parent / "tokenizer_config.json")
+        )
+    for src, dst in pairs:
+        if src.resolve() != dst.resolve():
+            shutil.copyfile(src, str(dst) + ".tmp")
+            os.replace(str(dst) + ".tmp", dst)
+
+
+def prepare_dataset(
+    inputs: list[str],
+    output_dir: str | os.PathLike,
+    *,
+    tokenizer: Tokenizer | str | os.PathLike,
+    cfg: PrepareConfig | None = None,
+    overwrite: bool = False,
+    max_shards: int = 0,
+    progress: bool = False,
+) -> dict | None:
+    """Prepare ``inputs`` into ``output_dir``; return the metadata, or None if stopped early.
+
+    ``max_shards`` > 0 stops after that many commits (rerun to continue). A rerun over an
+    interrupted directory resumes; a complete one raises unless ``overwrite``.
+    """
+    cfg = cfg or PrepareConfig()
+    cfg.validate()
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+    out = Path(output_dir)
+    if (out / META_FILE).exists() and not overwrite:
+        raise FileExistsError(f"{out} is already a prepared dataset; pass overwrite=True")
+    if overwrite and out.exists():
+        shutil.rmtree(out)
+    files = expand_inputs(list(inputs))
+    if out.is_dir() and any(out.iterdir()) and not (out / PROGRESS_FILE).exists():
+        raise FileExistsError(
+            f"output directory {out} is not empty and holds no interrupted prepare; "
+            "choose a new or empty directory"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    preparer = _Preparer(files, out, tok, cfg)
+    preparer.resume_or_start()
+    if not preparer.run(max_shards, progress):
+        return None
+    meta = preparer.metadata()
+    if preparer.read_stats.documents == 0:
+        raise ValueError(f"inputs {list(inputs)} contain no documents")
+    if sum(s["num_tokens"] for s in meta["splits"].values()) == 0:
+        raise ValueError(f"no document of {list(inputs)} survived filtering: {meta['counts']}")
+    _copy_tokenizer(tok, out / meta["tokenizer"]["file"])
+    atomic_write_json(out / META_FILE, meta)
+    return meta

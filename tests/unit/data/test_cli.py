@@ -1,0 +1,55 @@
+"""`densetrain data train-tokenizer | prepare | inspect` through the real entry point."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from data_helpers import synthetic_documents, write_text_files
+
+from densetrain.cli.main import main
+from densetrain.data import load_metadata, load_tokenizer
+
+
+def test_cli_train_prepare_inspect(tmp_path, capsys):
+    docs = synthetic_documents(30, seed=4) + [synthetic_documents(1, seed=4)[0]]
+    lines = "".join(json.dumps({"text": d}) + "\n" for d in docs)
+    (tmp_path / "c.jsonl").write_text(lines + "{bad json\n")
+    tok = tmp_path / "tok" / "tokenizer.json"
+    write_text_files(tmp_path / "txt", docs[:10])
+    assert (
+        main(
+            [
+                "data",
+                "train-tokenizer",
+                str(tmp_path / "txt"),
+                "-o",
+                str(tok),
+                "--vocab-size",
+                "300",
+            ]
+        )
+        == 0
+    )
+    assert load_tokenizer(tok).vocab_size <= 300
+    args = [
+        "data",
+        "prepare",
+        str(tmp_path / "c.jsonl"),
+        "-o",
+        str(tmp_path / "ds"),
+        "--tokenizer",
+        str(tok),
+        "--exact-dedup",
+    ]
+    with pytest.raises(ValueError, match=r"c\.jsonl:32: malformed JSON"):
+        main(args)
+    assert main([*args, "--on-bad-line", "skip"]) == 0
+    meta = load_metadata(tmp_path / "ds")
+    assert meta["counts"]["removed"] == {"exact_duplicate": 1}
+    assert meta["counts"]["read"]["skipped_lines"] == 1
+    capsys.readouterr()
+    assert main(["data", "inspect", str(tmp_path / "ds"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["num_documents"] == 30
+    assert report["sample"].startswith(docs[0][:50])
