@@ -18,6 +18,7 @@ _COMMAND_MODULES = (
     "densetrain.cli.models_cmd",  # convert, model-info
     "densetrain.cli.scaling_cmd",  # scaling sweep | fit | optimal
     "densetrain.cli.plan_cmd",  # plan
+    "densetrain.cli.eval_cmd",  # eval perplexity | tasks, generate
 )
 
 

@@ -1,0 +1,219 @@
+"""Sub-commands `densetrain eval perplexity | tasks | harness` and `densetrain generate`.
+
+MODEL is a densetrain model directory, a Hugging Face checkpoint directory or a training
+checkpoint (``step-N``, a checkpoint directory, or a run directory); the tokenizer is
+``--tokenizer`` or the one stored beside the model (see ``densetrain.eval.loading``). Results
+print as a table, or as JSON with ``--json``; ``--output FILE`` also writes the JSON (atomically).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _load(args: argparse.Namespace):
+    import torch
+
+    from densetrain.eval.loading import load_for_eval
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    return load_for_eval(args.model, tokenizer=args.tokenizer, device=args.device, dtype=dtype)
+
+
+def _emit(args: argparse.Namespace, record: dict, lines: list[str]) -> None:
+    if args.output:
+        path = Path(args.output)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    print(json.dumps(record, indent=2) if args.json else "\n".join(lines))
+
+
+def _perplexity(args: argparse.Namespace) -> int:
+    from densetrain.eval.perplexity import PerplexityConfig, dataset_perplexity, file_perplexity
+
+    if bool(args.text) == bool(args.dataset):
+        raise ValueError("give exactly one of --text PATH... or --dataset DIR")
+    model, tokenizer = _load(args)
+    cfg = PerplexityConfig(
+        seq_len=args.seq_len, stride=args.stride, batch_size=args.batch_size,
+        prefix=args.prefix, max_documents=args.max_documents,
+    )
+    if args.text:
+        result = file_perplexity(model, tokenizer, args.text, cfg, text_field=args.text_field)
+        source = {"text": args.text}
+    else:
+        result = dataset_perplexity(model, args.dataset, cfg, split=args.split, tokenizer=tokenizer)
+        source = {"dataset": args.dataset, "split": args.split}
+    record = {"model": str(args.model), **source, **result.as_dict()}
+    lines = [
+        f"{args.model}: {result.documents} documents, {result.tokens:,} tokens, "
+        f"{result.bytes:,} bytes",
+        f"  loss {result.loss:.4f} nats/token   perplexity {result.perplexity:.3f}",
+        f"  bits/byte {result.bits_per_byte:.4f}   word perplexity {result.word_perplexity:.3f}",
+    ]
+    _emit(args, record, lines)
+    return 0
+
+
+def _tasks(args: argparse.Namespace) -> int:
+    from densetrain.eval.harness import evaluate_task
+    from densetrain.eval.tasks import load_task
+
+    model, tokenizer = _load(args)
+    results, lines = [], []
+    for spec in args.task:
+        task = load_task(spec, fewshot_path=args.fewshot_file)
+        result = evaluate_task(
+            model, tokenizer, task, shots=args.shots, seed=args.seed, limit=args.limit,
+            batch_size=args.batch_size, prefix=args.prefix, keep_samples=args.log_samples,
+        )
+        results.append(result.as_dict(with_samples=args.log_samples))
+        chance = sum(1 / len(e.choices) for e in task.examples[: result.num_examples])
+        lines.append(
+            f"{task.name} ({result.num_examples} examples, {args.shots}-shot, chance "
+            f"{chance / result.num_examples:.3f}): acc {result.acc:.4f} ± {result.acc_stderr:.4f}"
+            f"   acc_norm {result.acc_norm:.4f} ± {result.acc_norm_stderr:.4f}"
+        )
+    _emit(args, {"model": str(args.model), "results": results}, lines)
+    return 0
+
+
+def _harness(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    from densetrain.eval.lm_eval_adapter import run_lm_eval
+
+    if importlib.util.find_spec("lm_eval") is None:  # say so before loading the model
+        raise ImportError("lm-evaluation-harness is not installed; `pip install lm-eval`")
+    model, tokenizer = _load(args)
+    tasks = [t for t in args.tasks.split(",") if t]
+    results = run_lm_eval(
+        model, tokenizer, tasks, num_fewshot=args.shots, limit=args.limit or None,
+        batch_size=args.batch_size, prefix=args.prefix,
+    )
+    _emit(args, {"model": str(args.model), "results": results},
+          [json.dumps(results, indent=2, default=str)])
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from densetrain.generate import generate
+
+    model, tokenizer = _load(args)
+    device = next(model.parameters()).device
+    ids = tokenizer.encode(args.prompt) or [tokenizer.eos_id]
+    prompt_BS = torch.tensor([ids] * args.num_samples, device=device)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    out_BT = generate(
+        model, prompt_BS, args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p,
+        eos_token_id=None if args.ignore_eos else tokenizer.eos_id, generator=generator,
+    )
+    completions = []
+    for row in out_BT.tolist():
+        new = row[len(ids):]
+        if not args.ignore_eos and tokenizer.eos_id in new:
+            new = new[: new.index(tokenizer.eos_id)]
+        completions.append(tokenizer.decode(new))
+    record = {"model": str(args.model), "prompt": args.prompt, "completions": completions}
+    lines = [f"{args.prompt}{c}" + ("\n" + "-" * 40 if len(completions) > 1 else "")
+             for c in completions]
+    _emit(args, record, lines)
+    return 0
+
+
+def _guarded(func):
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except (ValueError, FileNotFoundError, ImportError) as error:
+            name = " ".join(filter(None, (args.command, getattr(args, "eval_command", None))))
+            print(f"densetrain {name}: error: {error}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="model dir, Hugging Face dir, or training checkpoint/run")
+    parser.add_argument("--tokenizer", help="tokenizer.json / .model (default: beside MODEL)")
+    parser.add_argument("--device", default="auto", help="auto (first GPU, else CPU), cpu, cuda")
+    parser.add_argument("--dtype", choices=_DTYPES, help="cast the weights (default: as stored)")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--output", "-o", help="also write the JSON record to this file")
+
+
+def _add_scoring_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
+    parser.add_argument("--prefix", choices=("eos", "bos"), default="eos",
+                        help="token placed before each document / empty context")
+
+
+def _register_eval(subparsers: argparse._SubParsersAction) -> None:
+    ev = subparsers.add_parser("eval", help="perplexity / bits per byte and few-shot tasks")
+    ev_sub = ev.add_subparsers(dest="eval_command", metavar="EVAL_COMMAND")
+
+    def _help(_args: argparse.Namespace) -> int:
+        ev.print_help()
+        return 2
+
+    ev.set_defaults(func=_help)
+
+    ppl = ev_sub.add_parser("perplexity", help="loss, perplexity and bits per byte")
+    _add_model_args(ppl)
+    _add_scoring_args(ppl)
+    ppl.add_argument("--text", nargs="+", help="text/JSONL/Parquet files, directories, globs")
+    ppl.add_argument("--text-field", default="text", help="JSONL field / Parquet column")
+    ppl.add_argument("--dataset", help="prepared dataset directory (densetrain data prepare)")
+    ppl.add_argument("--split", default="val", help="split of --dataset (default val)")
+    ppl.add_argument("--seq-len", type=int, default=0, help="window; 0 = model max_seq_len")
+    ppl.add_argument("--stride", type=int, default=0, help="new tokens per window; 0 = seq-len")
+    ppl.add_argument("--max-documents", type=int, default=0, help="0 = all")
+    ppl.set_defaults(func=_guarded(_perplexity))
+
+    tasks = ev_sub.add_parser("tasks", help="multiple-choice few-shot accuracy")
+    _add_model_args(tasks)
+    _add_scoring_args(tasks)
+    tasks.add_argument("--task", action="append", required=True,
+                       help="built-in name (stdlib-next-line) or JSONL file; repeatable")
+    tasks.add_argument("--shots", type=int, default=0, help="solved examples in each prompt")
+    tasks.add_argument("--fewshot-file", help="JSONL file of few-shot examples")
+    tasks.add_argument("--seed", type=int, default=1234, help="seed of the few-shot draw")
+    tasks.add_argument("--limit", type=int, default=0, help="first N examples; 0 = all")
+    tasks.add_argument("--log-samples", action="store_true",
+                       help="include per-example log-likelihoods in the JSON")
+    tasks.set_defaults(func=_guarded(_tasks))
+
+    harness = ev_sub.add_parser("harness", help="EleutherAI lm-evaluation-harness tasks")
+    _add_model_args(harness)
+    _add_scoring_args(harness)
+    harness.add_argument("--tasks", required=True, help="comma-separated harness task names")
+    harness.add_argument("--shots", type=int, default=None, help="num_fewshot")
+    harness.add_argument("--limit", type=int, default=0, help="examples per task; 0 = all")
+    harness.set_defaults(func=_guarded(_harness))
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `densetrain eval {perplexity,tasks,harness}` and `densetrain generate`."""
+    _register_eval(subparsers)
+    gen = subparsers.add_parser("generate", help="continue a prompt (KV-cached decoding)")
+    _add_model_args(gen)
+    gen.add_argument("--prompt", required=True, help="text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=0, help="seed of the sampler")
+    gen.add_argument("--num-samples", type=int, default=1, help="completions of the prompt")
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    gen.set_defaults(func=_guarded(_generate))

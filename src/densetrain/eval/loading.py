@@ -1,0 +1,130 @@
+"""Load a model and its tokenizer for evaluation or generation from any kind of directory.
+
+``MODEL`` may be:
+
+- a densetrain model directory (``config.json`` with ``ModelConfig`` fields + safetensors,
+  ``densetrain.models.hf.native``);
+- a Hugging Face checkpoint directory (``config.json`` with ``model_type``);
+- a training checkpoint (``step-N/`` with DCP shards, ``config.toml`` and ``COMPLETE``), a
+  checkpoint directory holding several (the latest complete one is used), or a run directory
+  with ``checkpoints/`` inside. The model is rebuilt from the stored job config and only the
+  model entry of the checkpoint is read.
+
+The tokenizer is ``tokenizer`` when given, else ``tokenizer.json``/``tokenizer.model`` beside
+the model; for a training checkpoint, the tokenizer the job trained with (``data.tokenizer``,
+else the first dataset's, else the default corpus's).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+_TOKENIZER_NAMES = ("tokenizer.json", "tokenizer.model")
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """``auto`` = the first GPU when there is one, else the CPU; otherwise ``torch.device``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _training_checkpoint(path: Path) -> Path | None:
+    """The complete training checkpoint ``path`` names (itself, its latest, or its run's)."""
+    from densetrain.checkpoint import is_complete, latest_checkpoint
+
+    if is_complete(path):
+        return path
+    for directory in (path, path / "checkpoints"):
+        if directory.is_dir():
+            latest = latest_checkpoint(directory)
+            if latest is not None:
+                return latest
+    return None
+
+
+def _tokenizer_beside(directory: Path):
+    from densetrain.data.tokenizer import load_tokenizer
+
+    for name in _TOKENIZER_NAMES:
+        if (directory / name).is_file():
+            return load_tokenizer(directory / name)
+    return None
+
+
+def _job_tokenizer(job):
+    """The tokenizer a training job used (without preparing anything that already exists)."""
+    from densetrain.data import ensure_default_corpus, load_metadata, load_tokenizer
+
+    data = job.data
+    if data.tokenizer:
+        return load_tokenizer(data.tokenizer)
+    if data.datasets:
+        root = Path(data.datasets[0])
+        return load_tokenizer(root / load_metadata(root)["tokenizer"]["file"])
+    corpus = ensure_default_corpus(
+        cache_dir=data.cache_dir, vocab_size=data.default_vocab_size,
+        max_files=data.default_max_files, val_fraction=data.default_val_fraction,
+    )
+    return load_tokenizer(corpus / "tokenizer.json")
+
+
+def _load_checkpoint_model(checkpoint: Path, tokenizer):
+    from densetrain.checkpoint import ModelState, load_checkpoint, read_checkpoint_config
+    from densetrain.config import job_config_from_dict
+    from densetrain.models import Transformer
+
+    job = job_config_from_dict(
+        tomllib.loads(read_checkpoint_config(checkpoint)),
+        source=f"{checkpoint}/config.toml", validate=False,
+    )
+    tokenizer = tokenizer or _job_tokenizer(job)
+    with torch.device("meta"):
+        model = Transformer(job.build_model_config(tokenizer.vocab_size))
+    model.to_empty(device="cpu")
+    load_checkpoint(checkpoint, {"model": ModelState(model)})
+    return model, tokenizer
+
+
+def load_for_eval(
+    path: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    device: str = "auto",
+    dtype: torch.dtype | None = None,
+):
+    """``(model in eval mode on device, tokenizer)`` from a model, HF or checkpoint directory."""
+    from densetrain.data.tokenizer import load_tokenizer
+    from densetrain.models.hf import load_hf, load_model
+    from densetrain.models.hf.native import is_model_dir
+
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ValueError(f"model path {directory} is not a directory")
+    explicit = load_tokenizer(tokenizer) if tokenizer else None
+    checkpoint = None if (directory / "config.json").is_file() else _training_checkpoint(directory)
+    if checkpoint is not None:
+        model, found = _load_checkpoint_model(checkpoint, explicit)
+    elif (directory / "config.json").is_file():
+        model = load_model(directory) if is_model_dir(directory) else load_hf(directory)
+        found = explicit or _tokenizer_beside(directory)
+    else:
+        raise ValueError(
+            f"{directory} is not a model directory (no config.json), a complete training "
+            "checkpoint (step-N with COMPLETE) or a directory holding one"
+        )
+    if found is None:
+        raise ValueError(
+            f"no tokenizer.json or tokenizer.model beside {directory}; pass --tokenizer PATH"
+        )
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.to(resolve_device(device)).eval(), found

@@ -1,0 +1,103 @@
+"""`densetrain eval perplexity | tasks` and `densetrain generate` end to end, and model loading
+from densetrain, Hugging Face and training-checkpoint directories."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from densetrain.checkpoint import ModelState, save_checkpoint
+from densetrain.cli.main import main
+from densetrain.config import default_job_config, job_config_to_toml
+from densetrain.eval import PerplexityConfig, evaluate_task, file_perplexity, load_for_eval
+from densetrain.eval.tasks import load_jsonl_task
+from densetrain.generate import generate
+from densetrain.models import Transformer
+from densetrain.models.hf import save_model
+
+TEXT = "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n"
+
+
+@pytest.fixture(scope="module")
+def native_dir(hf_pair, tmp_path_factory):
+    """The Hugging Face fixture saved as a densetrain model directory with its tokenizer."""
+    _, model, hf_dir = hf_pair
+    directory = tmp_path_factory.mktemp("native") / "model"
+    save_model(model, directory)
+    shutil.copyfile(hf_dir / "tokenizer.json", directory / "tokenizer.json")
+    return directory
+
+
+def test_perplexity_command_prints_and_writes_the_library_result(
+    native_dir, hf_pair, tokenizer, tmp_path, capsys
+):
+    text = tmp_path / "a.txt"
+    text.write_text(TEXT)
+    out = tmp_path / "ppl.json"
+    code = main(["eval", "perplexity", str(native_dir), "--text", str(text), "--stride", "16",
+                 "--json", "-o", str(out)])
+    assert code == 0
+    record = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == record
+    expected = file_perplexity(hf_pair[1], tokenizer, [text], PerplexityConfig(stride=16))
+    assert record["bits_per_byte"] == pytest.approx(expected.bits_per_byte, rel=1e-6)
+    assert record["tokens"] == expected.tokens and record["bytes"] == len(TEXT.encode())
+
+
+def test_tasks_command_reports_acc_and_acc_norm(native_dir, hf_pair, tokenizer, tmp_path):
+    rows = [{"context": "import", "choices": ["os", "sys"], "label": i % 2} for i in range(4)]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "tasks.json"
+    code = main(["eval", "tasks", str(native_dir), "--task", str(path), "--shots", "1",
+                 "-o", str(out)])
+    assert code == 0
+    (record,) = json.loads(out.read_text())["results"]
+    expected = evaluate_task(hf_pair[1], tokenizer, load_jsonl_task(path), shots=1)
+    assert record["acc"] == expected.acc
+    assert record["acc_norm"] == expected.acc_norm and record["shots"] == 1
+
+
+def test_generate_command_is_the_library_generation(native_dir, hf_pair, tokenizer, capsys):
+    code = main(["generate", str(native_dir), "--prompt", "def ", "--max-new-tokens", "6",
+                 "--temperature", "0.8", "--top-k", "20", "--seed", "3", "--json"])
+    assert code == 0
+    record = json.loads(capsys.readouterr().out)
+    ids = tokenizer.encode("def ")
+    out = generate(hf_pair[1], torch.tensor([ids]), 6, temperature=0.8, top_k=20,
+                   eos_token_id=tokenizer.eos_id,
+                   generator=torch.Generator().manual_seed(3))[0, len(ids):].tolist()
+    if tokenizer.eos_id in out:
+        out = out[: out.index(tokenizer.eos_id)]
+    assert record["completions"] == [tokenizer.decode(out)]
+
+
+def test_errors_are_reported_not_raised(tmp_path, capsys):
+    assert main(["eval", "perplexity", str(tmp_path), "--text", "x"]) == 2
+    assert "not a model directory" in capsys.readouterr().err
+
+
+def test_hf_directory_loads_with_its_tokenizer(hf_pair):
+    hf_model, _, hf_dir = hf_pair
+    model, tok = load_for_eval(hf_dir, device="cpu")
+    ids = torch.tensor([tok.encode(TEXT)])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf_model(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_training_checkpoint_loads_from_run_or_step_directory(tokenizer, tmp_path):
+    job = default_job_config()
+    job.data.tokenizer = tokenizer.path
+    job.model.preset = "tiny-llama"
+    model = Transformer(job.build_model_config(tokenizer.vocab_size))
+    model.init_weights(seed=5)
+    step_dir = save_checkpoint(tmp_path / "run" / "checkpoints", 7, {"model": ModelState(model)},
+                               config_toml=job_config_to_toml(job))
+    for path in (tmp_path / "run", step_dir):
+        loaded, tok = load_for_eval(path, device="cpu")
+        assert tok.fingerprint == tokenizer.fingerprint
+        for name, value in model.state_dict().items():
+            assert torch.equal(loaded.state_dict()[name], value), name
