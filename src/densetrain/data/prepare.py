@@ -71,7 +71,8 @@ class PrepareConfig:
         return hashlib.sha256(state.encode()).hexdigest()
 
 
-def _is_val(text: str, val_fraction: float) -> bool:
+def is_validation_document(text: str, val_fraction: float) -> bool:
+    """Stable train/validation split by document hash: True for about ``val_fraction`` of texts."""
     if val_fraction <= 0:
         return False
     digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
@@ -189,7 +190,7 @@ class _Preparer:
         kept = {"train": [], "val": []}
         for text in texts:
             if self._keep(text, removed):
-                kept["val" if _is_val(text, self.cfg.val_fraction) else "train"].append(text)
+                kept["val" if is_validation_document(text, self.cfg.val_fraction) else "train"].append(text)
         for reason, count in removed.items():
             self.state["removed"][reason] = self.state["removed"].get(reason, 0) + count
         for split, split_texts in kept.items():

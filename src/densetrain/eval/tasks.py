@@ -143,9 +143,9 @@ def load_jsonl_task(
 def _held_out(text: str, val_fraction: float) -> bool:
     # The default corpus's own train/validation rule, so "held out" means exactly the documents
     # a model trained on the default corpus never saw.
-    from densetrain.data.prepare import _is_val
+    from densetrain.data.prepare import is_validation_document
 
-    return _is_val(text, val_fraction)
+    return is_validation_document(text, val_fraction)
 
 
 def _candidate_line(line: str, min_chars: int) -> bool:
