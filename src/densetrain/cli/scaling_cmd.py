@@ -1,9 +1,186 @@
-"""Sub-commands of `densetrain` (see cli/main.py)."""
+"""`densetrain scaling sweep | collect | fit | optimal`: IsoFLOP sweeps, scaling-law fits and
+compute-optimal allocation (thin wrappers over ``densetrain.scaling``)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add this module's sub-commands to subparsers."""
+    """Add ``scaling`` and its sub-commands to ``subparsers``."""
+    scaling = subparsers.add_parser("scaling", help="scaling-law sweeps, fits, optimal N and D")
+    sub = scaling.add_subparsers(dest="scaling_command", metavar="SUBCOMMAND")
+    scaling.set_defaults(func=lambda args: (scaling.print_help(), 2)[1])
+    _register_sweep(sub)
+    _register_collect(sub)
+    _register_fit(sub)
+    _register_optimal(sub)
+
+
+def _register_sweep(sub) -> None:
+    p = sub.add_parser("sweep", help="design and run an IsoFLOP sweep, then collect results.csv")
+    p.add_argument("--out", required=True, help="sweep directory")
+    p.add_argument("--budgets", type=_float_list, default=[1e12, 3e12, 1e13],
+                   help="comma-separated FLOP budgets (default 1e12,3e12,1e13)")
+    p.add_argument("--sizes-per-budget", type=int, default=5)
+    p.add_argument("--n-span", type=float, default=16.0, help="largest/smallest N per budget")
+    p.add_argument("--tokens-per-param", type=float, default=20.0, help="centre of the N range")
+    p.add_argument("--param-count", choices=("non_embedding", "total"), default="non_embedding")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=32, help="global batch in sequences")
+    p.add_argument("--micro-batch-size", type=int, default=None)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--vocab-size", type=int, default=1024, help="data.default_vocab_size")
+    p.add_argument("--min-steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", default="tiny-llama")
+    p.add_argument("--launcher", choices=("local", "torchrun", "slurm"), default="local")
+    p.add_argument("--nproc-per-node", type=int, default=1)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--jobs", type=int, default=1, help="local runs at a time")
+    p.add_argument("--threads", type=int, default=None,
+                   help="OMP_NUM_THREADS of each run (default: inherited)")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--keep-going", action="store_true", help="continue after a failed run")
+    p.add_argument("--loss-field", default="final_val_loss", help="summary.json field to fit")
+    p.set_defaults(func=_cmd_sweep, accepts_extra=True)
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from densetrain.scaling.runner import run_sweep
+    from densetrain.scaling.sweep import SweepConfig, design_sweep
+
+    extra = list(getattr(args, "extra", []))
+    bad = [e for e in extra if not e.startswith("--") or "=" not in e]
+    if bad:
+        print(f"error: extra arguments must be --section.field=value overrides, got {bad}",
+              file=sys.stderr)
+        return 2
+    cfg = SweepConfig(
+        budgets=args.budgets, sizes_per_budget=args.sizes_per_budget, n_span=args.n_span,
+        tokens_per_param=args.tokens_per_param, param_count=args.param_count,
+        seq_len=args.seq_len, global_batch_size=args.batch_size,
+        micro_batch_size=args.micro_batch_size or args.batch_size, lr=args.lr,
+        vocab_size=args.vocab_size, min_steps=args.min_steps, seed=args.seed,
+        preset=args.preset, extra_overrides=extra,
+    )
+    try:
+        points = design_sweep(cfg)
+        results = run_sweep(points, cfg, args.out, launcher=args.launcher, dry_run=args.dry_run,
+                            keep_going=args.keep_going, nproc_per_node=args.nproc_per_node,
+                            nnodes=args.nnodes, jobs=args.jobs, threads=args.threads,
+                            loss_field=args.loss_field)
+    except (ValueError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if results is not None:
+        print(f"results: {results}")
+    return 0
+
+
+def _register_collect(sub) -> None:
+    p = sub.add_parser("collect", help="collect finished runs of a sweep into results.csv")
+    p.add_argument("sweep_dir")
+    p.add_argument("--loss-field", default="final_val_loss")
+    p.set_defaults(func=_cmd_collect)
+
+
+def _cmd_collect(args: argparse.Namespace) -> int:
+    from densetrain.scaling.runner import collect_results
+
+    try:
+        print(f"results: {collect_results(args.sweep_dir, loss_field=args.loss_field)}")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _register_fit(sub) -> None:
+    p = sub.add_parser("fit", help="fit Kaplan laws and Chinchilla approaches 1-3, plot PNGs")
+    p.add_argument("results", help="results CSV (columns params, tokens, flops, loss)")
+    p.add_argument("--out", default=None, help="directory for fit.json and plots "
+                   "(default: beside the CSV)")
+    p.add_argument("--bootstrap", type=int, default=100, help="bootstrap resamples for CIs")
+    p.add_argument("--max-starts", type=int, default=64,
+                   help="L-BFGS starts from the best grid points (0 = the whole grid)")
+    p.add_argument("--flops", type=_float_list, default=None,
+                   help="budgets at which to print N_opt and D_opt (default: the table's "
+                   "budgets and 10x the largest)")
+    p.add_argument("--isoflop-window", type=int, default=None,
+                   help="fit each IsoFLOP parabola to the K runs nearest the budget's lowest "
+                   "loss (default: all runs of the budget)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_fit)
+
+
+def _cmd_fit(args: argparse.Namespace) -> int:
+    from densetrain.scaling.analysis import analyse, analysis_to_json, format_report
+    from densetrain.scaling.fit_isoflop import budgets_of
+    from densetrain.scaling.plots import plot_frontier, plot_isoflop, plot_residuals
+    from densetrain.scaling.results import atomic_write_text, load_results_csv
+
+    try:
+        table = load_results_csv(args.results)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    out = Path(args.out) if args.out else Path(args.results).parent
+    analysis = analyse(table, num_resamples=args.bootstrap, seed=args.seed,
+                       max_starts=args.max_starts or None, isoflop_window=args.isoflop_window)
+    flops = args.flops
+    if flops is None:
+        budgets = sorted({float(b) for b in budgets_of(table)})
+        flops = budgets + [10 * budgets[-1]]
+    print(format_report(analysis, flops))
+    atomic_write_text(out / "fit.json", json.dumps(analysis_to_json(analysis), indent=2) + "\n")
+    frontier = [f for f in (analysis.envelope, analysis.isoflop) if f is not None]
+    written = []
+    if analysis.isoflop is not None:
+        written.append(plot_isoflop(analysis.isoflop, out / "isoflop.png", table=table))
+    if frontier or analysis.parametric is not None:
+        written.append(plot_frontier(frontier, analysis.parametric, out / "frontier.png"))
+    if analysis.parametric is not None:
+        written.append(plot_residuals(table, analysis.parametric, out / "residuals.png"))
+    print("wrote: " + ", ".join(str(p) for p in [out / "fit.json", *written]))
+    return 0 if analysis.num_fitted else 1
+
+
+def _register_optimal(sub) -> None:
+    p = sub.add_parser("optimal", help="print compute-optimal N and D for a FLOP budget")
+    p.add_argument("--flops", type=float, required=True, help="training FLOP budget C")
+    p.add_argument("--fit", default=None,
+                   help="fit.json from `scaling fit` (default: Chinchilla's published fit)")
+    p.set_defaults(func=_cmd_optimal)
+
+
+def _cmd_optimal(args: argparse.Namespace) -> int:
+    from densetrain.scaling.analysis import load_parametric_law
+    from densetrain.scaling.laws import CHINCHILLA_UNROUNDED
+    from densetrain.scaling.optimal import chinchilla_optimal
+
+    try:
+        law = load_parametric_law(args.fit) if args.fit else CHINCHILLA_UNROUNDED
+        alloc = chinchilla_optimal(law, args.flops)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    source = args.fit or "Chinchilla approach 3 (Hoffmann et al. 2022, E=1.6934, A=406.4, "
+    source = source if args.fit else source + "B=410.7, alpha=0.3392, beta=0.2849)"
+    print(f"law: {source}")
+    print(f"C      = {alloc.flops:.4g} FLOPs")
+    print(f"N_opt  = {alloc.num_params:.4g} parameters")
+    print(f"D_opt  = {alloc.num_tokens:.4g} tokens ({alloc.tokens_per_param:.1f} tokens/param)")
+    return 0
