@@ -1,0 +1,126 @@
+"""`ParallelConfig`: the `[parallel]` section of a job — how one model is laid out over ranks.
+
+The degrees name the axes of one device mesh (outermost first):
+``pp × dp_replicate × dp_shard × cp × tp``. ``dp_shard = -1`` takes whatever the other degrees
+leave of the world size. Validation against the world size and the model lives in
+``parallel/mesh.py`` (``ParallelDims``); ``validate()`` here checks only what the config alone
+can tell.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+"""Pipeline schedules: GPipe (all forwards then all backwards), 1F1B (PipeDream-Flush),
+interleaved 1F1B (Megatron virtual stages), interleaved zero-bubble (Qi et al. 2023, split
+backward into input and weight gradients) and its V-shaped variant (two stages per rank)."""
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+ZERO_STAGES = (1, 2, 3)
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """Degrees of each kind of parallelism and their options.
+
+    Every degree is a positive integer except ``dp_shard``, which may be -1 (fill the rest of the
+    world). The product ``pp * dp_replicate * dp_shard * cp * tp`` must equal the world size.
+    """
+
+    dp_replicate: int = 1
+    """Replicated data-parallel degree (DDP; the outer axis of HSDP)."""
+    dp_shard: int = -1
+    """Sharded data-parallel degree (ZeRO/FSDP); -1 means the world size over the other degrees."""
+    tp: int = 1
+    """Tensor-parallel degree (Megatron column/row splits)."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages)."""
+    cp: int = 1
+    """Context-parallel degree (sequence sharded, exact causal attention)."""
+    zero_stage: int = 3
+    """1: optimizer states sharded; 2: and gradients; 3: and parameters (FSDP), over dp_shard."""
+    sequence_parallel: bool = True
+    """With tp > 1, shard the norm/dropout regions over the sequence (Korthikanti et al. 2022)."""
+    pp_schedule: str = "1f1b"
+    """One of ``PP_SCHEDULES``."""
+    pp_microbatches: int = 0
+    """Microbatches per step for the pipeline; 0 means pp (the fewest that fill it)."""
+    pp_virtual_stages: int = 1
+    """Stages per pipeline rank; > 1 only with interleaved schedules (zbv needs exactly 2)."""
+    pp_layer_split: list[int] = field(default_factory=list)
+    """Layers per stage (sums to num_layers); empty means as balanced as possible."""
+    activation_checkpointing: str = "none"
+    """"none", "full" (recompute each checkpointed block) or "selective" (keep matmul outputs)."""
+    ac_every: int = 1
+    """With "full": checkpoint every k-th block (1 = all blocks)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer states in CPU memory (FSDP2 offload)."""
+    collective_timeout_s: float = 600.0
+    """A collective that waits longer than this fails with an error naming the rank and step."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field and the allowed values when a value is invalid."""
+        for name in ("dp_replicate", "tp", "pp", "cp", "pp_virtual_stages", "ac_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
+        if isinstance(self.dp_shard, bool) or not isinstance(self.dp_shard, int) or (
+            self.dp_shard < 1 and self.dp_shard != -1
+        ):
+            raise ValueError(
+                f"parallel.dp_shard must be a positive integer or -1 (the rest of the world), "
+                f"got {self.dp_shard!r}"
+            )
+        if self.zero_stage not in ZERO_STAGES:
+            raise ValueError(
+                f"parallel.zero_stage must be one of {list(ZERO_STAGES)}, got {self.zero_stage!r}"
+            )
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(
+                f"parallel.pp_schedule must be one of {list(PP_SCHEDULES)}, "
+                f"got {self.pp_schedule!r}"
+            )
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(
+                "parallel.activation_checkpointing must be one of "
+                f"{list(ACTIVATION_CHECKPOINTING)}, got {self.activation_checkpointing!r}"
+            )
+        if not isinstance(self.pp_microbatches, int) or self.pp_microbatches < 0:
+            raise ValueError(
+                f"parallel.pp_microbatches must be >= 0 (0 = pp), got {self.pp_microbatches!r}"
+            )
+        interleaved = self.pp_schedule in ("interleaved_1f1b", "zero_bubble", "zbv")
+        if self.pp_virtual_stages > 1 and not interleaved:
+            raise ValueError(
+                f"parallel.pp_virtual_stages={self.pp_virtual_stages} needs an interleaved "
+                f"pp_schedule (interleaved_1f1b, zero_bubble, zbv), got {self.pp_schedule!r}"
+            )
+        if self.pp_schedule == "zbv" and self.pp_virtual_stages != 2:
+            raise ValueError(
+                'parallel.pp_schedule="zbv" runs exactly 2 stages per rank; set '
+                f"pp_virtual_stages=2 (got {self.pp_virtual_stages})"
+            )
+        if self.pp > 1 and self.pp_schedule != "gpipe" and 0 < self.pp_microbatches < self.pp:
+            raise ValueError(
+                f"parallel.pp_microbatches={self.pp_microbatches} must be >= pp={self.pp} for "
+                f"pp_schedule={self.pp_schedule!r} (only gpipe runs fewer microbatches than stages)"
+            )
+        if not isinstance(self.pp_layer_split, list) or any(
+            isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.pp_layer_split
+        ):
+            raise ValueError(
+                "parallel.pp_layer_split must be a list of positive layer counts per stage, "
+                f"got {self.pp_layer_split!r}"
+            )
+        if self.collective_timeout_s <= 0:
+            raise ValueError(
+                f"parallel.collective_timeout_s must be > 0, got {self.collective_timeout_s!r}"
+            )
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per step for the pipeline (``pp_microbatches`` or, when 0, ``pp``)."""
+        return self.pp_microbatches or self.pp

@@ -1,0 +1,184 @@
+"""`ParallelDims`: the degrees of one layout, validated, and the one device mesh built from them.
+
+Mesh axes, outermost first: ``pp, dp_replicate, dp_shard, cp, tp`` (tp innermost so that its
+ranks are neighbours: on GPUs, the same node and NVLink). Only axes of degree > 1 are created;
+flattened axes are added for the groups several steps share:
+
+- ``dp``          = dp_replicate × dp_shard: ranks that see different data.
+- ``dp_shard_cp`` = dp_shard × cp: the group FSDP shards parameters over (cp ranks hold the same
+  weights, so they shard them too, as Llama 3 does).
+- ``dp_cp``       = dp_replicate × dp_shard × cp: the group the loss is averaged over.
+
+`submesh(mesh, name)` returns the named (possibly flattened) sub-mesh, or None when its degree is 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from densetrain.parallel.config import ParallelConfig
+
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+FLATTENED_AXES = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelDims:
+    """Concrete degrees of a layout whose product is the world size (``dp_shard`` resolved)."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
+        """Resolve ``dp_shard=-1`` and check that the degrees multiply to ``world_size``."""
+        cfg.validate()
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        others = cfg.dp_replicate * cfg.cp * cfg.tp * cfg.pp
+        dp_shard = cfg.dp_shard
+        if dp_shard == -1:
+            if world_size % others != 0:
+                raise ValueError(
+                    f"parallel degrees dp_replicate={cfg.dp_replicate} × cp={cfg.cp} × "
+                    f"tp={cfg.tp} × pp={cfg.pp} = {others} do not divide the world size "
+                    f"{world_size}; dp_shard=-1 needs world_size to be a multiple of their product"
+                )
+            dp_shard = world_size // others
+        product = others * dp_shard
+        if product != world_size:
+            raise ValueError(
+                f"parallel degrees must multiply to the world size: dp_replicate="
+                f"{cfg.dp_replicate} × dp_shard={dp_shard} × cp={cfg.cp} × tp={cfg.tp} × "
+                f"pp={cfg.pp} = {product}, but world_size = {world_size}"
+            )
+        return cls(
+            dp_replicate=cfg.dp_replicate,
+            dp_shard=dp_shard,
+            cp=cfg.cp,
+            tp=cfg.tp,
+            pp=cfg.pp,
+            world_size=world_size,
+        )
+
+    # ------------------------------------------------------------------ derived degrees
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree: ranks that read different batches (dp_replicate × dp_shard)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks that FSDP shards parameters over (dp_shard × cp)."""
+        return self.dp_shard * self.cp
+
+    def degree(self, name: str) -> int:
+        """Degree of a mesh axis or flattened axis by name."""
+        if name in MESH_AXES:
+            return getattr(self, name)
+        if name in FLATTENED_AXES:
+            return math.prod(getattr(self, a) for a in FLATTENED_AXES[name])
+        allowed = MESH_AXES + tuple(FLATTENED_AXES)
+        raise ValueError(f"unknown mesh axis {name!r}; allowed: {allowed}")
+
+    @property
+    def is_single_process(self) -> bool:
+        """True when every degree is 1 (no mesh, no collectives)."""
+        return self.world_size == 1
+
+    # ------------------------------------------------------------------ validation
+    def validate_for_model(
+        self, model_cfg, seq_len: int, global_batch_size: int, *, sequence_parallel: bool = True
+    ) -> None:
+        """Check that the layout fits ``model_cfg`` (a ``ModelConfig``) and the batch shape.
+
+        Raises ``ValueError`` naming the violated constraint before any work is done.
+        """
+        heads, kv_heads = model_cfg.num_heads, model_cfg.num_kv_heads
+        if heads % self.tp != 0:
+            raise ValueError(
+                f"parallel.tp={self.tp} must divide the attention heads (model.num_heads={heads})"
+            )
+        if kv_heads % self.tp != 0 and kv_heads != 1:
+            raise ValueError(
+                f"parallel.tp={self.tp} must divide model.num_kv_heads={kv_heads} (kv heads split "
+                "across ranks), or the model must have a single kv head (MQA: replicated on every "
+                "tp rank)"
+            )
+        if model_cfg.ffn_dim % self.tp != 0:
+            raise ValueError(
+                f"parallel.tp={self.tp} must divide model.ffn_dim={model_cfg.ffn_dim}"
+            )
+        if self.pp > model_cfg.num_layers:
+            raise ValueError(
+                f"parallel.pp={self.pp} stages cannot exceed model.num_layers="
+                f"{model_cfg.num_layers} (each stage needs at least one layer)"
+            )
+        if seq_len % (2 * self.cp) != 0 and self.cp > 1:
+            raise ValueError(
+                f"parallel.cp={self.cp} needs the sequence length {seq_len} to be a multiple of "
+                f"2 × cp = {2 * self.cp} (each cp rank holds two chunks that balance the causal "
+                "mask)"
+            )
+        local_seq_len = seq_len // self.cp
+        if sequence_parallel and self.tp > 1 and local_seq_len % self.tp != 0:
+            raise ValueError(
+                f"sequence parallel with parallel.tp={self.tp} needs the sequence length per cp "
+                f"rank ({seq_len} / cp={self.cp} = {local_seq_len}) to be a multiple of tp"
+            )
+        if global_batch_size % self.dp_size != 0:
+            raise ValueError(
+                f"the global batch size {global_batch_size} must be a multiple of the "
+                f"data-parallel degree dp_replicate × dp_shard = {self.dp_size}"
+            )
+
+    # ------------------------------------------------------------------ mesh
+    def active_axes(self) -> list[str]:
+        """Mesh axes of degree > 1, outermost first."""
+        return [a for a in MESH_AXES if getattr(self, a) > 1]
+
+    def build_mesh(self, device_type: str):
+        """Build the ``DeviceMesh`` over the active axes (plus flattened ones); None on one rank.
+
+        The default process group must be initialised (see ``parallel.distributed``).
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        axes = self.active_axes()
+        if not axes:
+            return None
+        mesh = init_device_mesh(
+            device_type, tuple(getattr(self, a) for a in axes), mesh_dim_names=tuple(axes)
+        )
+        for flat_name, parts in FLATTENED_AXES.items():
+            present = tuple(a for a in parts if a in axes)
+            if len(present) > 1:
+                mesh[present]._flatten(flat_name)
+        return mesh
+
+    def submesh(self, mesh, name: str):
+        """The sub-mesh for axis ``name`` (a mesh or flattened axis), or None if its degree is 1."""
+        if mesh is None or self.degree(name) == 1:
+            return None
+        if name in MESH_AXES:
+            return mesh[name]
+        present = [a for a in FLATTENED_AXES[name] if getattr(self, a) > 1]
+        return mesh[present[0]] if len(present) == 1 else mesh[name]
+
+    def dp_rank(self, mesh) -> int:
+        """This rank's index among the data-parallel ranks (which slice of the batch it reads)."""
+        sub = self.submesh(mesh, "dp")
+        return 0 if sub is None else sub.get_local_rank()
+
+    def local_batch_size(self, global_batch_size: int) -> int:
+        """Sequences per data-parallel rank per step."""
+        return global_batch_size // self.dp_size

@@ -1,0 +1,113 @@
+"""`parallelize()`: the one ordered entry point that lays a model out on a mesh.
+
+Order (each step given only its own sub-mesh): tensor/sequence parallel → context parallel →
+(pipeline split, done by ``parallel.pipeline`` which calls this per stage) → activation
+checkpointing → compile → data parallel (FSDP2 ZeRO-3/HSDP, or DDP). ZeRO-1/2 keep the model
+whole and shard the optimizer instead: build it with `build_optimizer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from densetrain.parallel.checkpointing import apply_activation_checkpointing
+from densetrain.parallel.compile import apply_compile
+from densetrain.parallel.config import ParallelConfig
+from densetrain.parallel.mesh import ParallelDims
+
+
+def data_parallel_kind(dims: ParallelDims, cfg: ParallelConfig) -> str:
+    """How gradients are synchronised: "none", "ddp", "zero12" (ZeRO-1/2), "fsdp" or "hsdp"."""
+    if dims.fsdp_size == 1 and dims.dp_replicate == 1:
+        return "none"
+    if dims.fsdp_size == 1:
+        if dims.tp > 1 or dims.pp > 1:
+            raise ValueError(
+                f"parallel.dp_replicate={dims.dp_replicate} with tp={dims.tp}, pp={dims.pp} and "
+                "dp_shard=1 is not supported: use dp_shard (FSDP) for the data-parallel degree"
+            )
+        return "ddp"
+    if cfg.zero_stage < 3:
+        if dims.tp > 1 or dims.pp > 1 or dims.cp > 1 or dims.dp_replicate > 1:
+            raise ValueError(
+                f"parallel.zero_stage={cfg.zero_stage} runs on pure data parallel (dp_shard only); "
+                "use zero_stage=3 to compose with tp, pp, cp or dp_replicate"
+            )
+        return "zero12"
+    return "hsdp" if dims.dp_replicate > 1 else "fsdp"
+
+
+def parallelize(
+    model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelConfig, *, compile: bool = False
+) -> nn.Module:
+    """Apply TP/SP → CP → AC → compile → FSDP/DDP to ``model`` (a Transformer or pipeline stage).
+
+    Returns the model to train (the same module, or its DDP wrapper). On one process only
+    activation checkpointing and compile apply. Weights are initialised afterwards with
+    `init_weights`.
+    """
+    if dims.tp > 1:
+        from densetrain.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(
+            model, dims.submesh(mesh, "tp"), sequence_parallel=cfg.sequence_parallel
+        )
+    if dims.cp > 1:
+        from densetrain.parallel.context import apply_context_parallel
+
+        apply_context_parallel(model, dims.submesh(mesh, "cp"))
+    apply_activation_checkpointing(model, cfg.activation_checkpointing, every=cfg.ac_every)
+    if compile:
+        apply_compile(model)
+    kind = data_parallel_kind(dims, cfg)
+    if kind in ("fsdp", "hsdp"):
+        from densetrain.parallel.fsdp import apply_fsdp
+
+        shard_axis = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
+        if kind == "hsdp":
+            names = ["dp_replicate", shard_axis] if dims.fsdp_size > 1 else ["dp_replicate"]
+            dp_mesh = mesh[tuple(names)]
+        else:
+            dp_mesh = dims.submesh(mesh, shard_axis)
+        apply_fsdp(model, dp_mesh, cpu_offload=cfg.cpu_offload)
+    elif kind == "ddp":
+        from densetrain.parallel.ddp import apply_ddp
+
+        model = apply_ddp(model, dims.submesh(mesh, "dp_replicate"))
+    return model
+
+
+def build_optimizer(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh,
+    cfg: ParallelConfig,
+    optimizer_factory: Callable[[list], torch.optim.Optimizer],
+    param_groups: list | None = None,
+):
+    """The optimizer for a parallelized ``model``: ``optimizer_factory(param_groups)``, or for
+    ZeRO-1/2 a ``ZeroOptimizer`` that runs it on this rank's chunks."""
+    groups = param_groups if param_groups is not None else list(model.parameters())
+    if dims.fsdp_size > 1 and data_parallel_kind(dims, cfg) == "zero12":
+        from densetrain.parallel.zero import ZeroOptimizer
+
+        group = dims.submesh(mesh, "dp_shard").get_group()
+        return ZeroOptimizer(groups, optimizer_factory, group=group, stage=cfg.zero_stage)
+    return optimizer_factory(groups)
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Run the model's seeded ``init_weights`` on a parallelized (DTensor) model.
+
+    Every rank draws the same full values (they depend only on seed and parameter name), so
+    plain tensors are treated as replicated and each DTensor keeps its own shard.
+    """
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    inner = getattr(model, "module", model)
+    with implicit_replication():
+        inner.init_weights(seed=seed)

@@ -1,0 +1,154 @@
+"""Pipeline parallel through ``torch.distributed.pipelining``: split by layers, one schedule.
+
+The model is split into ``pp × pp_virtual_stages`` stages of consecutive layers (balanced, or
+``pp_layer_split``); the first stage keeps the token embedding, the last the final norm and
+output head. Rank r of the pp group holds stage r (and r + pp, r + 2·pp, ... with interleaved
+schedules; r and 2·pp − 1 − r with the V-shaped zero-bubble schedule). Each stage is then
+parallelized (TP, AC, compile, FSDP) on its own by ``parallelize``.
+
+Bubble: with p stages per pipeline and m microbatches, GPipe and 1F1B idle for a fraction
+(p − 1)/(m + p − 1) of the step, i.e. (p − 1)/m of the useful time (Narayanan et al. 2021, §2.2);
+interleaving v stages per rank divides it by v.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from densetrain.parallel.config import ParallelConfig
+from densetrain.parallel.mesh import ParallelDims
+
+_SINGLE_STAGE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+_MULTI_STAGE = {
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+}
+
+
+def layer_split(num_layers: int, num_stages: int, given: list[int]) -> list[int]:
+    """Layers per stage: ``given`` (checked) or as balanced as possible (when the layers do not
+    divide evenly, the earlier stages take one extra layer each)."""
+    if given:
+        if len(given) != num_stages or sum(given) != num_layers:
+            raise ValueError(
+                f"parallel.pp_layer_split={given} must have pp × pp_virtual_stages = "
+                f"{num_stages} entries summing to model.num_layers={num_layers}"
+            )
+        return list(given)
+    if num_stages > num_layers:
+        raise ValueError(
+            f"{num_stages} pipeline stages (pp × pp_virtual_stages) exceed model.num_layers="
+            f"{num_layers}: each stage needs at least one layer"
+        )
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if i < extra else 0) for i in range(num_stages)]
+
+
+def stage_ids_for_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    """Which stages rank ``pp_rank`` holds (loop order, or V shape for "zbv")."""
+    if schedule == "zbv":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + v * pp for v in range(virtual)]
+
+
+def split_stage(model: nn.Module, stage: int, sizes: list[int]) -> nn.Module:
+    """Keep in ``model`` (in place) only what stage ``stage`` of ``sizes`` runs."""
+    if getattr(model.config, "tie_embeddings", False):
+        raise ValueError("pipeline parallel needs untied embeddings (model.tie_embeddings=False)")
+    start = sum(sizes[:stage])
+    keep = {str(i) for i in range(start, start + sizes[stage])}
+    for name in list(model.layers.keys()):
+        if name not in keep:
+            del model.layers[name]
+    if stage != 0:
+        model.tok_embeddings = None
+    if stage != len(sizes) - 1:
+        model.norm = None
+        model.output = None
+    return model
+
+
+@dataclass
+class Pipeline:
+    """The schedule of this rank and the stage modules it holds (to build the optimizer over)."""
+
+    schedule: object
+    modules: list[nn.Module]
+    stage_ids: list[int]
+    num_stages: int
+
+    @property
+    def has_first_stage(self) -> bool:
+        """This rank feeds tokens in."""
+        return 0 in self.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        """This rank computes the loss."""
+        return self.num_stages - 1 in self.stage_ids
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of one batch; returns the mean loss on the last-stage rank."""
+        losses: list[torch.Tensor] = []
+        args = (tokens,) if self.has_first_stage else ()
+        target = targets if self.has_last_stage else None
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        return torch.stack(losses).mean() if self.has_last_stage else None
+
+
+def build_pipeline(
+    model_factory: Callable[[], nn.Module],
+    dims: ParallelDims,
+    mesh,
+    cfg: ParallelConfig,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    init_seed: int,
+    device: torch.device,
+) -> Pipeline:
+    """Build this rank's stages (each parallelized and initialised) and the schedule."""
+    import torch.distributed.pipelining as pipelining
+
+    from densetrain.parallel.parallelize import init_weights, parallelize
+
+    pp_mesh = dims.submesh(mesh, "pp")
+    virtual = cfg.pp_virtual_stages
+    num_stages = dims.pp * virtual
+    probe = model_factory()
+    sizes = layer_split(len(probe.layers), num_stages, cfg.pp_layer_split)
+    pp_rank = pp_mesh.get_local_rank()
+    stage_ids = stage_ids_for_rank(pp_rank, dims.pp, virtual, cfg.pp_schedule)
+    modules, stages = [], []
+    for stage_id in stage_ids:
+        module = split_stage(model_factory(), stage_id, sizes)
+        module = parallelize(module, dims, mesh, cfg)
+        init_weights(module, init_seed)
+        modules.append(module)
+        stages.append(
+            pipelining.PipelineStage(
+                module, stage_id, num_stages, device, group=pp_mesh.get_group()
+            )
+        )
+    microbatches = cfg.num_microbatches
+    if cfg.pp_schedule in _SINGLE_STAGE:
+        cls = getattr(pipelining, _SINGLE_STAGE[cfg.pp_schedule])
+        schedule = cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    else:
+        cls = getattr(pipelining, _MULTI_STAGE[cfg.pp_schedule])
+        schedule = cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    return Pipeline(schedule=schedule, modules=modules, stage_ids=stage_ids, num_stages=num_stages)
+
+
+def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle share of a GPipe/1F1B step, (p − 1)/(v·m + p − 1) (Narayanan et al. 2021 §2.2)."""
+    return (pp - 1) / (virtual_stages * microbatches + pp - 1)
+
+
+def bubble_ratio(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Bubble time over ideal compute time, (p − 1)/(v·m) (Narayanan et al. 2021 §2.2)."""
+    return (pp - 1) / (virtual_stages * microbatches)

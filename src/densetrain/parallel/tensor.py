@@ -1,0 +1,210 @@
+"""Tensor parallel (Megatron-LM, Shoeybi et al. 2019) and sequence parallel (Korthikanti et al.
+2022) through DTensor plans over the model's parameter names (docs/architecture.md).
+
+Per block: ``wq/wk/wv`` and ``w_up/w_gate`` are split by output features (column-wise),
+``wo`` and ``w_down`` by input features (row-wise), so each block needs one all-reduce forward
+and one backward. With sequence parallel the norms (and dropout) run on a 1/tp slice of the
+sequence and that all-reduce becomes a reduce-scatter plus an all-gather. The token embedding is
+vocab-parallel (row-wise over the padded vocab, which need not divide by tp: DTensor shards it
+unevenly) and the output projection is column-wise over the vocab. ``compute_loss`` takes a
+vocab-parallel cross-entropy of each rank's logit slice (``parallel/loss.py``); ``forward``
+returns the gathered logits.
+
+GQA: kv heads are split across tp ranks when tp divides them; a single kv head (MQA) is
+replicated on every rank (its gradient summed over tp). Each attention module's head counts are
+set to the local ones, so the model code reshapes with the local sizes.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def _attention_plan(attn: nn.Module, tp: int, sequence_parallel: bool) -> dict:
+    plan = {
+        "attn.wq": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate()),
+    }
+    kv_sharded = attn.num_kv_heads % tp == 0
+    for name in ("attn.wk", "attn.wv"):
+        plan[name] = ColwiseParallel() if kv_sharded else _ReplicatedKV()
+    return plan
+
+
+class _ReplicatedKV(ColwiseParallel):
+    """A kv projection kept whole on every tp rank (MQA with tp > kv heads).
+
+    Its weight is a Replicate DTensor; the output is used locally and its gradient marked
+    Partial so that the weight gradient is summed over the tp ranks, which each used the head
+    for their own query heads.
+    """
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        for pname, param in list(module.named_parameters()):
+            replicated = nn.Parameter(
+                DTensor.from_local(param.data, device_mesh, [Replicate()], run_check=False)
+            )
+            module.register_parameter(pname, replicated)
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if isinstance(outputs, DTensor):
+            return outputs.to_local(grad_placements=[Partial()])
+        return outputs
+
+
+def _block_plan(block: nn.Module, tp: int, sequence_parallel: bool) -> dict:
+    seq_layout = Shard(1) if sequence_parallel else Replicate()
+    plan = _attention_plan(block.attn, tp, sequence_parallel)
+    plan["attn"] = PrepareModuleInput(
+        input_layouts=(seq_layout,), desired_input_layouts=(Replicate(),), use_local_output=False,
+    )
+    plan["mlp"] = PrepareModuleInput(
+        input_layouts=(seq_layout,), desired_input_layouts=(Replicate(),), use_local_output=False,
+    )
+    plan["mlp.w_up"] = ColwiseParallel()
+    plan["mlp.w_down"] = RowwiseParallel(output_layouts=seq_layout)
+    if getattr(block.mlp, "w_gate", None) is not None:
+        plan["mlp.w_gate"] = ColwiseParallel()
+    if sequence_parallel:
+        plan["attn_norm"] = SequenceParallel(use_local_output=True)
+        if getattr(block, "mlp_norm", None) is not None:
+            plan["mlp_norm"] = SequenceParallel(use_local_output=True)
+    return plan
+
+
+def _check_supported(model: nn.Module, tp: int) -> None:
+    cfg = model.config
+    if cfg.block_type != "sequential" or cfg.norm_position != "pre":
+        raise ValueError(
+            "tensor parallel supports pre-norm sequential blocks; got "
+            f"block_type={cfg.block_type!r}, norm_position={cfg.norm_position!r}"
+        )
+    if cfg.num_kv_heads % tp != 0 and cfg.num_kv_heads != 1:
+        raise ValueError(
+            f"parallel.tp={tp} must divide model.num_kv_heads={cfg.num_kv_heads} or the model "
+            "must have one kv head (replicated)"
+        )
+    extras = [
+        n for n in ("project_in", "project_out", "pos_embeddings", "embed_norm")
+        if getattr(model, n, None) is not None
+    ]
+    if extras or cfg.tie_embeddings or cfg.qk_norm:
+        raise ValueError(
+            "tensor parallel supports untied embeddings without qk_norm, embedding projections, "
+            f"learned positions or an embedding norm; this model has modules {extras}, "
+            f"tie_embeddings={cfg.tie_embeddings}, qk_norm={cfg.qk_norm}"
+        )
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool) -> nn.Module:
+    """Shard ``model`` (a ``Transformer`` or a pipeline stage of one) over the 1-D ``tp_mesh``.
+
+    Works in place: parameters become DTensors over ``tp_mesh`` and attention head counts become
+    the local ones. The model's output (logits, or hidden states of a non-last pipeline stage)
+    is returned as a plain, full tensor on every tp rank.
+    """
+    tp = tp_mesh.size()
+    _check_supported(model, tp)
+    seq_layout = Shard(1) if sequence_parallel else Replicate()
+    top_plan: dict = {}
+    if model.tok_embeddings is not None:
+        top_plan["tok_embeddings"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=seq_layout
+        )
+    if model.output is not None:
+        if model.norm is None:
+            raise ValueError("tensor parallel of the output head needs the final norm (final_norm)")
+        # ``Transformer.logits`` applies the head with F.linear on ``output.weight``, so only
+        # the weight layout matters here; the final norm hands it a DTensor.
+        top_plan["norm"] = (
+            SequenceParallel(use_local_output=False)
+            if sequence_parallel
+            else PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Replicate(),
+                use_local_output=False,
+            )
+        )
+        top_plan["output"] = ColwiseParallel(input_layouts=seq_layout, use_local_output=False)
+    if top_plan:
+        parallelize_module(model, tp_mesh, top_plan)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, _block_plan(block, tp, sequence_parallel))
+        attn = block.attn
+        attn.num_heads //= tp
+        attn.num_kv_heads = max(attn.num_kv_heads // tp, 1)
+    _add_stage_io_hooks(model, tp_mesh, sequence_parallel)
+    if model.output is not None and hasattr(model, "compute_loss"):
+        model.compute_loss = types.MethodType(_compute_loss_from_logits, model)
+    return model
+
+
+def _compute_loss_from_logits(
+    self, tokens_BS, targets_BS, *, positions_BS=None, document_ids_BS=None, chunk_size=None
+):
+    """``Transformer.compute_loss`` under tensor parallel: vocab-parallel cross-entropy over the
+    local logit slice of each tp rank (``chunk_size`` is not used: logits are only 1/tp wide)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from densetrain.parallel.loss import vocab_parallel_cross_entropy
+
+    hidden = self.forward_hidden(
+        tokens_BS, positions_BS=positions_BS, document_ids_BS=document_ids_BS
+    )
+    weight = self.output.weight
+    mesh = weight.device_mesh
+    # Each rank's logits use only its rows of the head: the hidden gradient is a partial sum.
+    hidden_BSE = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+    weight_LE = weight.to_local()
+    bias_L = self.output.bias.to_local() if self.output.bias is not None else None
+    logits_BSL = F.linear(hidden_BSE, weight_LE, bias_L)
+    _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    cfg = self.config
+    return vocab_parallel_cross_entropy(
+        logits_BSL.reshape(-1, logits_BSL.shape[-1]),
+        targets_BS.reshape(-1),
+        vocab_offset=offset[0],
+        vocab_size=cfg.vocab_size,
+        group=mesh.get_group(),
+        ignore_index=cfg.ignore_index,
+        z_loss_coef=cfg.z_loss_coef,
+    )
+
+
+def _add_stage_io_hooks(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
+    """Make the model's inputs and outputs plain full tensors on every tp rank.
+
+    A pipeline stage without ``tok_embeddings`` receives full hidden states; with sequence
+    parallel the residual stream is sharded over the sequence, so the input is sliced at the
+    first block (the stage computes positions from the full input). Outputs that are DTensors
+    (logits) or sequence shards (hidden states of a non-last stage) are gathered.
+    """
+
+    def slice_input(module, args, kwargs):
+        full = DTensor.from_local(args[0], tp_mesh, [Replicate()], run_check=False)
+        return (full.redistribute(tp_mesh, [Shard(1)]).to_local(), *args[1:]), kwargs
+
+    def gather_output(module, args, kwargs, output):
+        if isinstance(output, DTensor):
+            return output.full_tensor()
+        if module.output is None and module.norm is None and sequence_parallel:
+            shard = DTensor.from_local(output, tp_mesh, [Shard(1)], run_check=False)
+            return shard.full_tensor()
+        return output
+
+    if model.tok_embeddings is None and sequence_parallel:
+        first_block = next(iter(model.layers.values()))
+        first_block.register_forward_pre_hook(slice_input, with_kwargs=True)
+    model.register_forward_hook(gather_output, with_kwargs=True)

@@ -1,0 +1,101 @@
+"""Bad layouts are rejected before any work, with an error naming the constraint."""
+
+from __future__ import annotations
+
+import pytest
+
+from densetrain.models.config import ModelConfig
+from densetrain.parallel.config import ParallelConfig
+from densetrain.parallel.mesh import ParallelDims
+from densetrain.parallel.pipeline import bubble_fraction, layer_split, stage_ids_for_rank
+
+
+def model_cfg(**kw) -> ModelConfig:
+    base = dict(vocab_size=101, dim=64, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=128)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def test_dp_shard_fills_the_world():
+    dims = ParallelDims.from_config(ParallelConfig(tp=2, pp=2), 16)
+    assert (dims.dp_shard, dims.dp_size, dims.fsdp_size) == (4, 4, 4)
+    assert dims.active_axes() == ["pp", "dp_shard", "tp"]
+
+
+def test_degrees_must_multiply_to_world_size():
+    with pytest.raises(ValueError, match="multiply to the world size.*= 8, but world_size = 6"):
+        ParallelDims.from_config(ParallelConfig(dp_shard=2, tp=2, pp=2), 6)
+    with pytest.raises(ValueError, match="do not divide the world size 6"):
+        ParallelDims.from_config(ParallelConfig(tp=4), 6)
+
+
+@pytest.mark.parametrize(
+    ("layout", "world", "model_kw", "seq", "batch", "pattern"),
+    [
+        (dict(tp=8, dp_shard=1), 8, {}, 16, 8, r"tp=8 must divide the attention heads"),
+        (dict(tp=4, dp_shard=1), 4, dict(num_kv_heads=2), 16, 8, r"num_kv_heads=2"),
+        (dict(pp=8, dp_shard=1), 8, {}, 16, 8, r"pp=8 stages cannot exceed model.num_layers=4"),
+        (dict(cp=2, dp_shard=1), 2, {}, 18, 8, r"cp=2 needs the sequence length 18"),
+        (dict(dp_shard=4), 4, {}, 16, 6, r"global batch size 6 must be a multiple of .* = 4"),
+        (dict(tp=2, dp_shard=1), 2, {}, 15, 8, r"sequence parallel with parallel.tp=2"),
+    ],
+)
+def test_layout_that_does_not_fit_model_is_rejected(layout, world, model_kw, seq, batch, pattern):
+    dims = ParallelDims.from_config(ParallelConfig(**layout), world)
+    with pytest.raises(ValueError, match=pattern):
+        dims.validate_for_model(model_cfg(**model_kw), seq, batch)
+
+
+def test_mqa_is_accepted_with_tp_larger_than_kv_heads():
+    dims = ParallelDims.from_config(ParallelConfig(tp=4, dp_shard=1), 4)
+    dims.validate_for_model(model_cfg(num_kv_heads=1), 16, 8)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "pattern"),
+    [
+        ("tp", 0, "parallel.tp must be a positive integer"),
+        ("dp_shard", -2, "parallel.dp_shard must be a positive integer or -1"),
+        ("zero_stage", 4, r"parallel.zero_stage must be one of \[1, 2, 3\]"),
+        ("pp_schedule", "dualpipe", "parallel.pp_schedule must be one of"),
+        ("activation_checkpointing", "some", "parallel.activation_checkpointing must be one of"),
+        ("pp_layer_split", [2, 0], "parallel.pp_layer_split must be a list of positive"),
+        ("collective_timeout_s", 0, "parallel.collective_timeout_s must be > 0"),
+    ],
+)
+def test_config_field_errors_name_the_field(field, value, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        ParallelConfig(**{field: value})
+
+
+def test_virtual_stages_need_an_interleaved_schedule():
+    with pytest.raises(ValueError, match="pp_virtual_stages=2 needs an interleaved"):
+        ParallelConfig(pp=2, pp_virtual_stages=2, pp_schedule="1f1b")
+    with pytest.raises(ValueError, match="zbv.*pp_virtual_stages=2"):
+        ParallelConfig(pp=2, pp_schedule="zbv")
+
+
+def test_layer_split_balanced_given_and_rejected():
+    assert layer_split(10, 4, []) == [3, 3, 2, 2]
+    assert layer_split(4, 2, [1, 3]) == [1, 3]
+    with pytest.raises(ValueError, match="summing to model.num_layers=4"):
+        layer_split(4, 2, [1, 2])
+    with pytest.raises(ValueError, match="exceed model.num_layers=4"):
+        layer_split(4, 8, [])
+
+
+def test_stage_assignment_loop_and_v_shape():
+    assert stage_ids_for_rank(1, 4, 2, "interleaved_1f1b") == [1, 5]
+    assert stage_ids_for_rank(1, 4, 2, "zbv") == [1, 6]
+
+
+def test_bubble_fraction_formula():
+    # Narayanan et al. 2021 §2.2: (p-1)/(m+p-1) of the step; interleaving v divides the bubble.
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)
+
+
+def test_one_f_one_b_needs_at_least_pp_microbatches():
+    with pytest.raises(ValueError, match="pp_microbatches=1 must be >= pp=2"):
+        ParallelConfig(pp=2, pp_microbatches=1, pp_schedule="1f1b")
+    ParallelConfig(pp=2, pp_microbatches=1, pp_schedule="gpipe")

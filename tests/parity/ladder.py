@@ -1,0 +1,268 @@
+"""The parity ladder's pieces: a tiny model, fixed data, the one-process control and a
+per-rank training run of any layout, returning per-step losses and full final weights."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from densetrain.models.config import ModelConfig
+from densetrain.models.loss import cross_entropy_loss
+from densetrain.models.transformer import Transformer
+from densetrain.parallel.config import ParallelConfig
+from densetrain.parallel.memory import rank_memory
+from densetrain.parallel.mesh import ParallelDims
+from densetrain.parallel.parallelize import build_optimizer, init_weights, parallelize
+
+SEED = 1234
+STEPS = 5
+SEQ_LEN = 16
+GLOBAL_BATCH = 8
+LR = 3e-3
+WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod", "module")
+
+
+def tiny_model_config(**overrides) -> ModelConfig:
+    """4 layers (PP up to 4), GQA (4 heads, 2 kv heads), SwiGLU, vocab 101 (prime: no tp divides
+    it, so the vocab-parallel embedding and head are sharded unevenly)."""
+    fields = dict(
+        vocab_size=101, dim=64, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=128,
+        max_seq_len=SEQ_LEN,
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global batch of step ``step``: (tokens, targets), a pure function of (SEED, step)."""
+    g = torch.Generator().manual_seed(SEED * 1000 + step)
+    data = torch.randint(0, 101, (GLOBAL_BATCH, SEQ_LEN + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def adamw(groups) -> torch.optim.Optimizer:
+    """The optimizer every layout uses (fixed hyper-parameters, no foreach/fused variance)."""
+    return torch.optim.AdamW(groups, lr=LR, weight_decay=0.1, betas=(0.9, 0.95), foreach=False)
+
+
+def canonical(name: str) -> str:
+    """Parameter name without wrapper prefixes (checkpoint, compile, DDP)."""
+    return ".".join(p for p in name.split(".") if p not in WRAPPERS)
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) copies of the parameters this rank's module holds."""
+    out = {}
+    for name, p in model.named_parameters():
+        value = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[canonical(name)] = value.detach().clone()
+    return out
+
+
+def clip_gradients(model: torch.nn.Module, opt, max_norm: float) -> torch.Tensor:
+    """Global-norm clipping: the ZeRO-1/2 optimizer's own, else torch's (DTensor aware)."""
+    if hasattr(opt, "clip_grad_norm_"):
+        return opt.clip_grad_norm_(max_norm)
+    return torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_norm)
+
+
+def run_control(
+    steps: int = STEPS, model_overrides: dict | None = None, clip: float = 0.0
+) -> dict:
+    """One process, no parallelism: the reference losses and final weights."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_model_config(**(model_overrides or {})))
+    model.init_weights(seed=SEED)
+    opt = adamw(list(model.parameters()))
+    losses = []
+    for step in range(steps):
+        tokens, targets = batch(step)
+        loss = cross_entropy_loss(model(tokens), targets).loss
+        loss.backward()
+        if clip:
+            clip_gradients(model, opt, clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "weights": full_weights(model)}
+
+
+def _local_batch(dims: ParallelDims, mesh, step: int):
+    tokens, targets = batch(step)
+    local = dims.local_batch_size(GLOBAL_BATCH)
+    start = dims.dp_rank(mesh) * local
+    return tokens[start : start + local], targets[start : start + local]
+
+
+def _cp_local(dims: ParallelDims, mesh, tokens, targets):
+    """This cp rank's slice of the sequence and its global positions (None without cp)."""
+    if dims.cp == 1:
+        return tokens, targets, None
+    from densetrain.parallel.context import local_positions, shard_sequence
+
+    cp_rank = dims.submesh(mesh, "cp").get_local_rank()
+    positions = local_positions(SEQ_LEN, cp_rank, dims.cp).unsqueeze(0)
+    return (
+        shard_sequence(tokens, cp_rank, dims.cp),
+        shard_sequence(targets, cp_rank, dims.cp),
+        positions.expand(tokens.shape[0], -1),
+    )
+
+
+def _mean_over(value: torch.Tensor, dims: ParallelDims, mesh, axis: str) -> float:
+    sub = dims.submesh(mesh, axis)
+    if sub is None:
+        return value.item()
+    value = value.detach().clone()
+    dist.all_reduce(value, group=sub.get_group())
+    return value.item() / sub.size()
+
+
+def setup_layout(world: int, layout: dict, *, compile: bool = False):
+    """(dims, mesh, model, optimizer) of the tiny model laid out on ``layout`` (no pp)."""
+    layout = dict(layout)
+    via_compute_loss = layout.pop("_compute_loss", False)
+    clip = layout.pop("_clip", 0.0)
+    model_cfg = tiny_model_config(**layout.pop("_model", {}))
+    cfg = ParallelConfig(**layout)
+    dims = ParallelDims.from_config(cfg, world)
+    dims.validate_for_model(
+        model_cfg, SEQ_LEN, GLOBAL_BATCH, sequence_parallel=cfg.sequence_parallel
+    )
+    mesh = dims.build_mesh("cpu")
+    model = parallelize(Transformer(model_cfg), dims, mesh, cfg, compile=compile)
+    init_weights(model, SEED)
+    opt = build_optimizer(model, dims, mesh, cfg, adamw)
+    if via_compute_loss:  # the trainer's path: Transformer.compute_loss (FSDP forward method)
+        from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+        if isinstance(model, FSDPModule):
+            register_fsdp_forward_method(model, "compute_loss")
+        model._ladder_compute_loss = True
+    model._ladder_clip = clip
+    return dims, mesh, model, opt
+
+
+def train_steps(dims, mesh, model, opt, steps: range, memory_at: int = -1):
+    """Run ``steps`` (global step indices) and return (dp-averaged losses, memory report)."""
+    losses, memory = [], None
+    for step in steps:
+        tokens, targets = _local_batch(dims, mesh, step)
+        tokens, targets, positions = _cp_local(dims, mesh, tokens, targets)
+        if getattr(model, "_ladder_compute_loss", False):
+            loss = model.compute_loss(tokens, targets, positions_BS=positions, chunk_size=8).loss
+        else:
+            loss = cross_entropy_loss(model(tokens, positions_BS=positions), targets).loss
+        loss.backward()
+        if step == memory_at:
+            memory = rank_memory(model.parameters(), opt)
+        if model._ladder_clip:
+            clip_gradients(model, opt, model._ladder_clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(_mean_over(loss, dims, mesh, "dp_cp"))
+    return losses, memory
+
+
+def run_layout(
+    rank: int, world: int, layout: dict, steps: int = STEPS, *, compile: bool = False
+) -> dict:
+    """Train the tiny model on ``layout`` (ParallelConfig fields, no pp) on this rank."""
+    dims, mesh, model, opt = setup_layout(world, layout, compile=compile)
+    start = time.perf_counter()
+    losses, memory = train_steps(dims, mesh, model, opt, range(steps), memory_at=steps - 1)
+    elapsed = time.perf_counter() - start
+    after_step = rank_memory(model.parameters(), opt)
+    weights = full_weights(getattr(model, "module", model))
+    return {
+        "losses": losses,
+        "weights": weights if rank == 0 else None,
+        "memory_after_backward": memory,
+        "memory_after_step": after_step,
+        "seconds": elapsed,
+    }
+
+
+def run_checkpoint_segment(
+    rank: int, world: int, layout: dict, load_dir: str | None, save_dir: str, steps: range
+) -> dict:
+    """Load model and optimizer from ``load_dir`` (saved on any layout) if given, train
+    ``steps``, save to ``save_dir`` with torch.distributed.checkpoint (resharding on load)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    dims, mesh, model, opt = setup_layout(world, layout)
+    if load_dir is not None:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=load_dir)
+        set_state_dict(
+            model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+    losses, _ = train_steps(dims, mesh, model, opt, steps)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=save_dir)
+    weights = full_weights(model)
+    return {"losses": losses, "weights": weights if rank == 0 else None}
+
+
+def run_many(rank: int, world: int, layouts: list[dict]) -> list[dict]:
+    """Run several layouts one after another in the same ranks (one spawn for all)."""
+    results = []
+    for layout in layouts:
+        results.append(run_layout(rank, world, layout))
+        dist.barrier()
+    return results
+
+
+def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return cross_entropy_loss(logits, targets).loss
+
+
+def run_pipeline_layout(rank: int, world: int, layout: dict, steps: int = STEPS) -> dict:
+    """Train the tiny model on a layout with pp > 1 (composed with tp/fsdp as given)."""
+    from densetrain.parallel.pipeline import build_pipeline
+
+    layout = dict(layout)
+    model_cfg = tiny_model_config(**layout.pop("_model", {}))
+    cfg = ParallelConfig(**layout)
+    dims = ParallelDims.from_config(cfg, world)
+    dims.validate_for_model(model_cfg, SEQ_LEN, GLOBAL_BATCH)
+    mesh = dims.build_mesh("cpu")
+    pipe = build_pipeline(
+        lambda: Transformer(model_cfg), dims, mesh, cfg, _lm_loss, init_seed=SEED,
+        device=torch.device("cpu"),
+    )
+    params = [p for m in pipe.modules for p in m.parameters()]
+    opt = adamw(params)
+    losses = []
+    start = time.perf_counter()
+    for step in range(steps):
+        tokens, targets = _local_batch(dims, mesh, step)
+        loss = pipe.step(tokens, targets)
+        opt.step()
+        opt.zero_grad()
+        value = loss.detach() if loss is not None else torch.zeros(())
+        dist.all_reduce(value, group=dims.submesh(mesh, "pp").get_group())
+        losses.append(_mean_over(value, dims, mesh, "dp"))
+    elapsed = time.perf_counter() - start
+    weights = {}
+    for m in pipe.modules:
+        weights.update(full_weights(m))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, weights)
+    merged = {}
+    for part in gathered:
+        merged.update(part)
+    return {"losses": losses, "weights": merged if rank == 0 else None, "seconds": elapsed}
+
+
+def run_many_pipeline(rank: int, world: int, layouts: list[dict]) -> list[dict]:
+    """Run several pipeline layouts one after another in the same ranks."""
+    results = []
+    for layout in layouts:
+        results.append(run_pipeline_layout(rank, world, layout))
+        dist.barrier()
+    return results
