@@ -129,8 +129,8 @@ class Attention(nn.Module):
         v_BGTK: torch.Tensor,
         mask: AttentionMask,
     ) -> torch.Tensor:
-        # ``enable_gqa`` measured 1.19x faster than expanding the kv heads with
-        # repeat_interleave on CPU (fwd+bwd, B8 H8 G2 S256 K64; see benchmarks/RESULTS.md).
+        # ``enable_gqa`` measured about 1.2x faster than expanding the kv heads with
+        # repeat_interleave on CPU (fwd+bwd; bench_model.py --gqa, benchmarks/RESULTS.md).
         return F.scaled_dot_product_attention(
             q_BHSK,
             k_BGTK,

@@ -128,19 +128,22 @@ class _ChunkedLMLoss(torch.autograd.Function):
             t_C = targets_N[start : start + chunk_size]
             v_C = valid_N[start : start + chunk_size]
             logits_CV = F.linear(h_CE, weight_VE, bias_V).float()
-            lse_C = torch.logsumexp(logits_CV, dim=-1)
             safe_t_C = torch.where(v_C, t_C, torch.zeros_like(t_C))
             target_logit_C = logits_CV.gather(1, safe_t_C.unsqueeze(1)).squeeze(1)
+            # One exp pass gives both log Z and the softmax: exp(x - max), summed and normalised.
+            max_C = logits_CV.amax(dim=-1)
+            probs_CV = torch.exp(logits_CV.sub_(max_C.unsqueeze(1)))
+            sum_C = probs_CV.sum(dim=-1)
+            lse_C = sum_C.log() + max_C
             ce_sum += ((lse_C - target_logit_C) * v_C).sum()
             z_sum += (lse_C.square() * v_C).sum()
             if not needs_grad:
                 continue
             # d/dlogits of sum(lse - logit_t) + c·sum(lse²): softmax·(1 + 2c·lse) - onehot(t).
-            probs_CV = torch.exp(logits_CV.sub_(lse_C.unsqueeze(1)))
-            probs_CV.mul_((1 + 2 * z_loss_coef * lse_C).unsqueeze(1))
-            probs_CV.scatter_add_(1, safe_t_C.unsqueeze(1), -torch.ones_like(lse_C).unsqueeze(1))
-            grad_logits_CV = probs_CV.mul_((v_C.float() / denominator).unsqueeze(1))
-            grad_logits_CV = grad_logits_CV.to(h_CE.dtype)
+            weight_C = v_C.float() / denominator  # each counted token's share of the mean
+            probs_CV.mul_((weight_C * (1 + 2 * z_loss_coef * lse_C) / sum_C).unsqueeze(1))
+            probs_CV.scatter_add_(1, safe_t_C.unsqueeze(1), -weight_C.unsqueeze(1))
+            grad_logits_CV = probs_CV.to(h_CE.dtype)
             grad_hidden_NE[start : start + chunk_size] = grad_logits_CV @ weight_VE
             grad_weight_VE.addmm_(grad_logits_CV.t().float(), h_CE.float())
             if grad_bias_V is not None:

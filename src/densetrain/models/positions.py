@@ -61,17 +61,41 @@ def rope_cos_sin(
     return cos_BS1R, sin_BS1R
 
 
+def _rotate(x_BSHK: torch.Tensor, cos_BS1R: torch.Tensor, sin_BS1R: torch.Tensor) -> torch.Tensor:
+    half = cos_BS1R.shape[-1]
+    x1, x2 = x_BSHK[..., :half], x_BSHK[..., half : 2 * half]
+    out_BSHK = torch.empty_like(x_BSHK)
+    torch.mul(x1, cos_BS1R, out=out_BSHK[..., :half])
+    out_BSHK[..., :half].addcmul_(x2, sin_BS1R, value=-1)
+    torch.mul(x2, cos_BS1R, out=out_BSHK[..., half : 2 * half])
+    out_BSHK[..., half : 2 * half].addcmul_(x1, sin_BS1R)
+    if 2 * half < x_BSHK.shape[-1]:
+        out_BSHK[..., 2 * half :] = x_BSHK[..., 2 * half :]
+    return out_BSHK
+
+
+class _Rope(torch.autograd.Function):
+    """RoPE as one autograd node: the backward of a rotation by angle a is the rotation of the
+    gradient by -a. Written by hand because autograd through the sliced element-wise form
+    allocates a zero-filled full-size gradient per slice; this halved the fwd+bwd time of the
+    op on CPU (B8 S256 H6 K64)."""
+
+    @staticmethod
+    def forward(ctx, x_BSHK, cos_BS1R, sin_BS1R):
+        ctx.save_for_backward(cos_BS1R, sin_BS1R)
+        return _rotate(x_BSHK, cos_BS1R, sin_BS1R)
+
+    @staticmethod
+    def backward(ctx, grad_BSHK):
+        cos_BS1R, sin_BS1R = ctx.saved_tensors
+        return _rotate(grad_BSHK.contiguous(), cos_BS1R, -sin_BS1R), None, None
+
+
 def apply_rope(
     x_BSHK: torch.Tensor, cos_BS1R: torch.Tensor, sin_BS1R: torch.Tensor
 ) -> torch.Tensor:
     """Rotate the first 2R dims of every head of ``x_BSHK`` (half-split pairs); keep the rest."""
-    half = cos_BS1R.shape[-1]
-    x1 = x_BSHK[..., :half]
-    x2 = x_BSHK[..., half : 2 * half]
-    rotated = [x1 * cos_BS1R - x2 * sin_BS1R, x2 * cos_BS1R + x1 * sin_BS1R]
-    if 2 * half < x_BSHK.shape[-1]:
-        rotated.append(x_BSHK[..., 2 * half :])
-    return torch.cat(rotated, dim=-1)
+    return _Rope.apply(x_BSHK, cos_BS1R, sin_BS1R)
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ Shape legend: B batch, S sequence, D dim, E embed_dim, V vocab_size, P padded vo
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -300,7 +301,12 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ initialisation
     @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
+    def init_weights(
+        self,
+        seed: int = 0,
+        *,
+        write: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> None:
         """Initialise every parameter, each from its own generator seeded by (seed, name).
 
         normal(0, init_std) for linear and embedding weights, with residual output projections
@@ -308,10 +314,14 @@ class Transformer(nn.Module):
         ``scale_residual_init`` (GPT-2, Radford et al. 2019 §2.3); zeros for biases; ones for
         norm weights. Values are drawn on the CPU in fp32 and copied, so they are bit-identical
         for a seed on any device, in any construction order, and for a pipeline stage holding
-        only some of the layers. Works after a meta build and ``to_empty()``, also when the
-        parameters are already sharded DTensors (FSDP2, tensor parallel): every rank draws the
-        full value and keeps its own shard, with no communication.
+        only some of the layers. Works after a meta build and ``to_empty()``.
+
+        ``write(param, full_value)`` stores a full fp32 value into a parameter; the default is a
+        plain copy. A parallelised model, whose parameters are shards, passes a writer that keeps
+        each rank's shard (``densetrain.parallel.parallelize.init_weights``), so that this module
+        stays free of distributed code.
         """
+        write = write or _copy_full
         cfg = self.config
         residual_std = cfg.init_std
         if cfg.scale_residual_init:
@@ -327,27 +337,12 @@ class Transformer(nn.Module):
                     seed_name = self._output_seed_name if name == "output.weight" else name
                     is_residual = name.endswith(("attn.wo.weight", "mlp.w_down.weight"))
                     std = residual_std if is_residual else cfg.init_std
-                    _write(param, _seeded_normal(param.shape, std, seed, seed_name))
+                    write(param, _seeded_normal(param.shape, std, seed, seed_name))
                 else:
                     raise RuntimeError(f"no initialisation rule for parameter {name}")
 
 
-def _write(param: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy a full fp32 value into ``param``, which may be a sharded DTensor."""
-    if hasattr(param, "device_mesh") and hasattr(param, "placements"):
-        # The one place model code touches distributed types: a parallelised model's
-        # parameters are DTensors, and each rank must keep exactly its shard of the full value.
-        # Imported lazily so that models/ runs without torch.distributed.
-        from torch.distributed.tensor import distribute_tensor
-
-        value = distribute_tensor(
-            value.to(device=param.device, dtype=param.dtype),
-            param.device_mesh,
-            param.placements,
-            src_data_rank=None,  # every rank holds the same seeded value: no scatter needed
-        )
-        param.copy_(value)
-        return
+def _copy_full(param: torch.Tensor, value: torch.Tensor) -> None:
     param.copy_(value)
 
 

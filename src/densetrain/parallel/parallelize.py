@@ -110,4 +110,18 @@ def init_weights(model: nn.Module, seed: int) -> None:
 
     inner = getattr(model, "module", model)
     with implicit_replication():
-        inner.init_weights(seed=seed)
+        inner.init_weights(seed=seed, write=write_full_value)
+
+
+def write_full_value(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Store a full value into ``param``, keeping only this rank's shard when it is a DTensor.
+
+    Every rank holds the same seeded value, so each slices out its own shard locally
+    (``src_data_rank=None``): no scatter, no communication.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    value = value.to(device=param.device, dtype=param.dtype)
+    if isinstance(param, DTensor):
+        value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(value)

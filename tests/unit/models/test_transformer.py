@@ -275,6 +275,8 @@ def _fsdp_init_full_state(rank: int, world_size: int, cfg_dict: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from densetrain.parallel.parallelize import init_weights
+
     mesh = init_device_mesh("cpu", (world_size,))
     with torch.device("meta"):
         model = Transformer(ModelConfig.from_dict(cfg_dict))
@@ -282,7 +284,7 @@ def _fsdp_init_full_state(rank: int, world_size: int, cfg_dict: dict) -> dict:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
-    model.init_weights(seed=11)
+    init_weights(model, 11)
     return {name: param.full_tensor() for name, param in model.named_parameters()}
 
 

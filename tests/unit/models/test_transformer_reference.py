@@ -141,6 +141,8 @@ def _opt(hf_sd: dict, cfg: ModelConfig) -> dict:
             "final_layer_norm", "mlp_norm"
         )
         new = new.replace("fc1", "mlp.w_up").replace("fc2", "mlp.w_down")
+        new = new.replace("model.decoder.project_in", "project_in")
+        new = new.replace("model.decoder.project_out", "project_out")
         out[new] = value
     return out
 
@@ -342,6 +344,41 @@ def _cases():
                 learned_pos_offset=2,
                 norm_type="layernorm",
                 norm_bias=True,
+                position_embedding="learned",
+                activation="relu",
+                qkv_bias=True,
+                attn_out_bias=True,
+                mlp_bias=True,
+                tie_embeddings=True,
+            ),
+            _opt,
+        ),
+        "opt-350m-post-norm-projections": (
+            lambda: t.OPTForCausalLM(
+                t.OPTConfig(
+                    vocab_size=VOCAB,
+                    hidden_size=DIM,
+                    num_hidden_layers=LAYERS,
+                    ffn_dim=128,
+                    num_attention_heads=4,
+                    max_position_embeddings=32,
+                    word_embed_proj_dim=32,
+                    do_layer_norm_before=False,
+                )
+            ),
+            ModelConfig(
+                vocab_size=VOCAB,
+                dim=DIM,
+                embed_dim=32,
+                num_layers=LAYERS,
+                num_heads=4,
+                ffn_dim=128,
+                max_seq_len=32,
+                learned_pos_offset=2,
+                norm_type="layernorm",
+                norm_bias=True,
+                norm_position="post",
+                final_norm=False,
                 position_embedding="learned",
                 activation="relu",
                 qkv_bias=True,
