@@ -14,6 +14,7 @@ POSITION_EMBEDDINGS = ("rope", "learned", "alibi", "none")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
 BLOCK_TYPES = ("sequential", "parallel")
 NORM_POSITIONS = ("pre", "post")
+_DERIVED_FIELDS = ("num_kv_heads", "head_dim", "ffn_dim", "embed_dim")
 
 
 @dataclass(kw_only=True)
@@ -153,6 +154,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScaling(**self.rope_scaling)
+        # Remember which sizes were derived rather than given, so that ``replace(dim=...)``
+        # derives them again instead of keeping values computed from the old sizes.
+        self._derived = frozenset(name for name in _DERIVED_FIELDS if getattr(self, name) is None)
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         if self.head_dim is None and self.num_heads > 0 and self.dim % self.num_heads == 0:
@@ -250,8 +254,13 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def replace(self, **changes) -> ModelConfig:
-        """Return a copy with ``changes`` applied (validated)."""
-        return dataclasses.replace(self, **changes)
+        """Return a copy with ``changes`` applied (validated).
+
+        Sizes that were derived (``num_kv_heads``, ``head_dim``, ``ffn_dim``, ``embed_dim`` left
+        ``None``) are derived again from the new values unless ``changes`` sets them.
+        """
+        rederive = {name: None for name in getattr(self, "_derived", ()) if name not in changes}
+        return dataclasses.replace(self, **rederive, **changes)
 
     def to_dict(self) -> dict:
         """Plain-dict form (JSON/TOML friendly)."""

@@ -62,3 +62,18 @@ def test_round_trip_and_replace():
 def test_inconsistent_configs_raise_value_error(changes, pattern):
     with pytest.raises(ValueError, match=pattern):
         make(**changes)
+
+
+def test_replace_rederives_sizes_that_were_not_given():
+    base = ModelConfig(vocab_size=256, dim=128, num_layers=2, num_heads=4)
+    smaller = base.replace(dim=64)
+    assert (smaller.head_dim, smaller.ffn_dim, smaller.embed_dim) == (16, 256, 64)
+    assert smaller.num_kv_heads == 4
+    fewer_heads = base.replace(num_heads=2)
+    assert (fewer_heads.num_kv_heads, fewer_heads.head_dim) == (2, 64)
+
+
+def test_replace_keeps_sizes_that_were_given():
+    base = ModelConfig(vocab_size=256, dim=128, num_layers=2, num_heads=4, head_dim=48, ffn_dim=300)
+    changed = base.replace(dim=64)
+    assert (changed.head_dim, changed.ffn_dim, changed.embed_dim) == (48, 300, 64)
