@@ -1,0 +1,254 @@
+"""Training-step throughput, MFU and peak RSS on CPU: densetrain against Hugging Face transformers.
+
+Timing: every variant is built in one process and the variants take turns step by step (the order
+reversed every round), so that load from other processes on a shared machine hits them alike;
+the report gives median step times. Memory: with ``--rss`` each variant also runs a few steps in
+its own child process, whose peak RSS is then its own. Both sides run the same architecture,
+the same random token batches, AdamW (β2 0.95, weight decay 0.1) and clipping at 1.0:
+
+* densetrain: ``Transformer.compute_loss`` with the chunked output projection + loss, through
+  the trainer's own `train_step`; eager or ``torch.compile`` (per block), fp32 or bf16 autocast.
+* transformers: ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` with SDPA attention and
+  ``labels=`` loss; fp32 or bf16 autocast.
+
+MFU uses `flops_per_token_palm` and a matmul-probe peak measured in the parent before the runs.
+Usage: ``python benchmarks/bench_train.py [--models tiny,gpt2] [--rounds 5] [--rss]``.
+Allocator: ``--malloc tuned`` sets ``GLIBC_TUNABLES`` (mmap off, no trimming) in the children.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+VARIANTS = {
+    "densetrain-fp32": ("densetrain", "fp32", False),
+    "densetrain-fp32-compile": ("densetrain", "fp32", True),
+    "densetrain-bf16-compile": ("densetrain", "bf16", True),
+    "hf-fp32": ("hf", "fp32", False),
+    "hf-bf16": ("hf", "bf16", False),
+}
+MODELS = {
+    # The GPT-2-124M shape shrunk for 2 cores: 6 layers, width 384, 6 heads, seq 256, batch 8.
+    "gpt2": dict(family="gpt2", dim=384, num_layers=6, num_heads=6, vocab=50304, seq=256, batch=8),
+    # The tiny-llama preset (4 layers, width 128, GQA 4/2 heads, SwiGLU 352) with an 8192 vocab.
+    "tiny": dict(family="llama", dim=128, num_layers=4, num_heads=4, kv_heads=2, ffn=352,
+                 vocab=8192, seq=256, batch=16),
+}
+TUNED_MALLOC = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296"
+
+
+def densetrain_config(spec: dict):
+    """The densetrain `ModelConfig` of a benchmark model."""
+    from densetrain.models.presets.gpt2 import gpt2_config
+    from densetrain.models.presets.llama import llama_config
+
+    if spec["family"] == "gpt2":
+        return gpt2_config(
+            dim=spec["dim"], num_layers=spec["num_layers"], num_heads=spec["num_heads"],
+            published_params=0, vocab_size=spec["vocab"], max_seq_len=spec["seq"],
+        )
+    return llama_config(
+        family="llama", dim=spec["dim"], num_layers=spec["num_layers"],
+        num_heads=spec["num_heads"], num_kv_heads=spec["kv_heads"], ffn_dim=spec["ffn"],
+        published_params=0, vocab_size=spec["vocab"], max_seq_len=spec["seq"], norm_eps=1e-5,
+    )
+
+
+def hf_model(spec: dict) -> torch.nn.Module:
+    """The transformers model of the same architecture (dropout off, SDPA attention)."""
+    import transformers
+
+    if spec["family"] == "gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=spec["vocab"], n_positions=spec["seq"], n_embd=spec["dim"],
+            n_layer=spec["num_layers"], n_head=spec["num_heads"], resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+        )
+        cfg._attn_implementation = "sdpa"
+        return transformers.GPT2LMHeadModel(cfg)
+    cfg = transformers.LlamaConfig(
+        vocab_size=spec["vocab"], hidden_size=spec["dim"], intermediate_size=spec["ffn"],
+        num_hidden_layers=spec["num_layers"], num_attention_heads=spec["num_heads"],
+        num_key_value_heads=spec["kv_heads"], max_position_embeddings=spec["seq"],
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _densetrain_step(spec: dict, dtype: str, compile_: bool):
+    from densetrain.models import Transformer
+    from densetrain.optim import clip_grad_norm_
+    from densetrain.parallel.compile import apply_compile
+    from densetrain.train.device import autocast_factory
+    from densetrain.train.step import train_step
+
+    cfg = densetrain_config(spec)
+    model = Transformer(cfg)
+    model.init_weights(seed=0)
+    if compile_:
+        apply_compile(model)
+    opt = _adamw(model)
+    autocast = autocast_factory(torch.device("cpu"), dtype)
+    chunk = 1024
+
+    def loss_fn(m, batch):
+        return m.compute_loss(batch.inputs, batch.targets, chunk_size=chunk)
+
+    def step(batch) -> float:
+        out = train_step(
+            model, opt, [batch], loss_fn=loss_fn, clip_grad_norm=clip_grad_norm_,
+            grad_clip=1.0, autocast=autocast, nan_policy="stop", step=1,
+        )
+        return float(out.loss)
+
+    return cfg, step
+
+
+def _hf_step(spec: dict, dtype: str):
+    model = hf_model(spec)
+    model.train()
+    opt = _adamw(model)
+    autocast = (
+        (lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+        if dtype == "bf16" else contextlib.nullcontext
+    )
+
+    def step(batch) -> float:
+        with autocast():
+            loss = model(input_ids=batch.inputs, labels=batch.inputs).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
+def _stepper(variant: str, spec: dict):
+    impl, dtype, compile_ = VARIANTS[variant]
+    torch.manual_seed(0)
+    if impl == "densetrain":
+        return _densetrain_step(spec, dtype, compile_)[1]
+    return _hf_step(spec, dtype)
+
+
+def _batches(spec: dict, count: int):
+    from densetrain.data import Batch
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(count):
+        tokens = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"] + 1), generator=gen)
+        yield Batch(inputs=tokens[:, :-1].contiguous(), targets=tokens[:, 1:].contiguous())
+
+
+def time_alternating(variants: list[str], model_name: str, rounds: int, warmup: int) -> dict:
+    """Median step seconds of each variant, all in this process, taking turns step by step."""
+    spec = MODELS[model_name]
+    steppers = {v: _stepper(v, spec) for v in variants}
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for index, batch in enumerate(_batches(spec, warmup + rounds)):
+        order = variants if index % 2 == 0 else variants[::-1]
+        for variant in order:
+            start = time.perf_counter()
+            steppers[variant](batch)
+            if index >= warmup:
+                times[variant].append(time.perf_counter() - start)
+    return {v: statistics.median(t) for v, t in times.items()}
+
+
+def run_child(variant: str, model_name: str, steps: int) -> dict:
+    """Run ``steps`` steps of one variant; report this process's peak RSS."""
+    from densetrain.train.device import peak_rss_bytes
+
+    spec = MODELS[model_name]
+    step = _stepper(variant, spec)
+    for batch in _batches(spec, steps):
+        step(batch)
+    return {"variant": variant, "model": model_name, "peak_rss_gib": peak_rss_bytes() / 2**30}
+
+
+def _spawn_rss(variant: str, model_name: str, args: argparse.Namespace) -> float:
+    env = dict(os.environ)
+    if args.malloc == "tuned":
+        env["GLIBC_TUNABLES"] = TUNED_MALLOC
+    cmd = [sys.executable, __file__, "--child", variant, "--models", model_name, "--rounds", "2"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{variant} on {model_name} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_gib"]
+
+
+def main() -> None:
+    """Parse arguments; time the variants alternating in this process; optionally measure RSS."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="tiny,gpt2")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--rounds", type=int, default=5, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rss", action="store_true", help="peak RSS per variant (children)")
+    parser.add_argument("--malloc", choices=("default", "tuned"), default="default",
+                        help="allocator of the RSS children (timing uses this process's)")
+    parser.add_argument("--child", default="")
+    parser.add_argument("--json", default="", help="also write all results to this file")
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(run_child(args.child, args.models, args.rounds)))
+        return
+    from densetrain.models import flops_per_token_palm
+    from densetrain.train.metrics import measure_cpu_peak_flops
+
+    peaks = {d: measure_cpu_peak_flops(d, seconds=1.0) for d in ("fp32", "bf16")}
+    print(f"peak (matmul probe, {torch.get_num_threads()} threads): fp32 "
+          f"{peaks['fp32'] / 1e12:.3f}, bf16 {peaks['bf16'] / 1e12:.3f} TFLOP/s", flush=True)
+    variants = args.variants.split(",")
+    results: list[dict] = []
+    for model_name in args.models.split(","):
+        spec = MODELS[model_name]
+        medians = time_alternating(variants, model_name, args.rounds, args.warmup)
+        for variant, step_s in medians.items():
+            row = {
+                "model": model_name, "variant": variant, "median_step_s": step_s,
+                "tokens_per_s": spec["batch"] * spec["seq"] / step_s,
+                "flops_per_token": flops_per_token_palm(densetrain_config(spec), spec["seq"]),
+                "peak_rss_gib": _spawn_rss(variant, model_name, args) if args.rss else None,
+            }
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    print(_table(results, peaks, args.malloc))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"peaks": peaks, "results": results}, f, indent=2)
+
+
+def _table(results: list[dict], peaks: dict, malloc: str) -> str:
+    lines = [f"\nallocator: {malloc}",
+             "| model | variant | tokens/s | MFU vs fp32 peak | MFU vs own-dtype peak | "
+             "peak RSS GiB |", "|---|---|---|---|---|---|"]
+    for r in results:
+        tps, flops, dtype = r["tokens_per_s"], r["flops_per_token"], VARIANTS[r["variant"]][1]
+        rss = "-" if r["peak_rss_gib"] is None else f"{r['peak_rss_gib']:.2f}"
+        lines.append(
+            f"| {r['model']} | {r['variant']} | {tps:,.0f} | "
+            f"{100 * tps * flops / peaks['fp32']:.0f}% | {100 * tps * flops / peaks[dtype]:.0f}% "
+            f"| {rss} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""The thin trainer: build everything from a `JobConfig`, resume, loop over `train_step`.
+
+`train(job)` is the library entry point behind ``densetrain train``. The loop itself is a dozen
+lines; logging, MFU, progress, evaluation, checkpoints, the plot and the sample are callbacks
+(callbacks.py), and the one optimizer step is `train_step` (step.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from densetrain.checkpoint import (
+    ModelState,
+    OptimizerState,
+    RNGState,
+    TrainerCounters,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from densetrain.train.callbacks import (
+    Callback,
+    Checkpointer,
+    Evaluator,
+    LossPlot,
+    MetricsLogger,
+    Sampler,
+)
+from densetrain.train.step import StepOutput, split_micro_batches, train_step
+
+
+@dataclass(kw_only=True)
+class RunState:
+    """Everything a run holds, shared by the loop and the callbacks."""
+
+    job: Any
+    model: torch.nn.Module
+    inner_model: torch.nn.Module
+    model_cfg: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    batch_schedule: Any
+    data: Any
+    device: torch.device
+    autocast: Callable[[], AbstractContextManager[None]]
+    loss_fn: Callable[[torch.nn.Module, Any], Any]
+    clip_grad_norm: Callable[[Any, float], torch.Tensor]
+    counters: TrainerCounters
+    rank: int
+    world_size: int
+    dp_size: int
+    run_dir: Path
+    checkpoint_dir: Path
+    total_steps: int
+    flops_per_token: float
+    peak_flops: float
+    peak_source: str
+    params: int
+    non_embedding_params: int
+    config_toml: str
+    start_time: float = field(default_factory=time.perf_counter)
+    train_seconds: float = 0.0
+    last_train_loss: float = float("nan")
+    last_val_loss: float = float("nan")
+    eval_record: dict[str, float] = field(default_factory=dict)
+    resumed_from: str = ""
+    last_checkpoint: str = ""
+    plot_path: Path | None = None
+    sample: str = ""
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0 (the one that prints and writes run files)."""
+        return self.rank == 0
+
+    def state_tree(self) -> dict[str, Any]:
+        """The Stateful tree one checkpoint covers."""
+        return {
+            "model": ModelState(self.model),
+            "optim": OptimizerState(self.model, self.optimizer),
+            "lr_schedule": self.scheduler,
+            "batch_schedule": self.batch_schedule,
+            "data": self.data.train,
+            "rng": RNGState(),
+            "trainer": self.counters,
+        }
+
+    def to_device(self, batch: Any) -> Any:
+        """A copy of ``batch`` (a dataclass of tensors) on the run's device."""
+        moved = {
+            k: (v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+            for k, v in vars(batch).items()
+        }
+        return type(batch)(**moved)
+
+    def save_checkpoint(self, keep_last: int) -> Path:
+        """Save the state tree as ``step-<step>`` under the checkpoint directory."""
+        path = save_checkpoint(
+            self.checkpoint_dir,
+            self.counters.step,
+            self.state_tree(),
+            config_toml=self.config_toml,
+            keep_last=keep_last,
+        )
+        self.last_checkpoint = str(path)
+        return path
+
+
+def default_callbacks(job: Any) -> list[Callback]:
+    """Evaluation, logging, checkpoints and the plot, as the job's config asks."""
+    callbacks: list[Callback] = [
+        Evaluator(interval=job.eval.interval, num_batches=job.eval.num_batches),
+        MetricsLogger(
+            log_interval=job.logging.log_interval,
+            tensorboard=job.logging.tensorboard,
+            progress=job.logging.progress,
+        ),
+        Sampler(prompt=job.eval.sample_prompt, max_new_tokens=job.eval.sample_tokens),
+    ]
+    if job.checkpoint.enabled:
+        callbacks.append(
+            Checkpointer(
+                interval=job.checkpoint.interval,
+                keep_last=job.checkpoint.keep_last,
+                save_final=job.checkpoint.save_final,
+            )
+        )
+    if job.logging.plot:
+        callbacks.append(LossPlot())
+    return callbacks
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def run_loop(run: RunState, callbacks: Sequence[Callback]) -> None:
+    """Step until ``run.total_steps``, calling the callbacks around each step."""
+    job = run.job
+    for callback in callbacks:
+        callback.on_train_start(run)
+    while run.counters.step < run.total_steps:
+        start = time.perf_counter()
+        global_batch = run.batch_schedule.batch_size_at(run.counters.step)
+        batch = run.to_device(run.data.train.next_batch(global_batch))
+        output: StepOutput = train_step(
+            run.model,
+            run.optimizer,
+            split_micro_batches(batch, job.training.micro_batch_size),
+            loss_fn=run.loss_fn,
+            clip_grad_norm=run.clip_grad_norm,
+            grad_clip=job.optim.grad_clip,
+            autocast=run.autocast,
+            nan_policy=job.training.nan_policy,
+            step=run.counters.step + 1,
+            ignore_index=run.model_cfg.ignore_index,
+        )
+        run.scheduler.step()
+        run.counters.step += 1
+        run.counters.tokens += global_batch * job.data.seq_len
+        run.train_seconds += time.perf_counter() - start
+        for callback in callbacks:
+            callback.on_step_end(run, output)
+    for callback in callbacks:
+        callback.on_train_end(run)
+
+
+def summarize(run: RunState) -> dict[str, Any]:
+    """The run's summary (also written to ``summary.json``)."""
+    tokens_per_s = run.counters.tokens / run.train_seconds if run.train_seconds else 0.0
+    from densetrain.train.metrics import mfu
+
+    return {
+        "final_loss": run.last_train_loss,
+        "final_val_loss": run.last_val_loss,
+        "tokens": run.counters.tokens,
+        "steps": run.counters.step,
+        "params": run.params,
+        "non_embedding_params": run.non_embedding_params,
+        "flops": run.flops_per_token * run.counters.tokens,
+        "flops_per_token": run.flops_per_token,
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu(tokens_per_s, run.flops_per_token, run.peak_flops, run.world_size),
+        "peak_flops_per_device": run.peak_flops,
+        "peak_flops_source": run.peak_source,
+        "world_size": run.world_size,
+        "train_seconds": run.train_seconds,
+        "run_dir": str(run.run_dir),
+        "checkpoint": run.last_checkpoint,
+        "resumed_from": run.resumed_from,
+        "plot": str(run.plot_path) if run.plot_path else "",
+        "sample": run.sample,
+    }
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
+    """Write ``summary.json`` atomically."""
+    path = run_dir / "summary.json"
+    tmp = path.with_name("summary.json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def train(job: Any, *, callbacks: Sequence[Callback] | None = None) -> dict[str, Any]:
+    """Run the training job ``job`` (a `JobConfig`) and return its summary dict.
+
+    Resumes from the latest complete checkpoint when ``checkpoint.resume`` is on. ``callbacks``
+    are added after the default ones (evaluation, logging, checkpoints, plot).
+    """
+    import torch.distributed as dist
+
+    from densetrain.train.setup import build_run
+
+    owns_process_group = not (dist.is_available() and dist.is_initialized())
+    all_callbacks = default_callbacks(job) + list(callbacks or [])
+    try:
+        run = build_run(job)
+        if job.checkpoint.resume and job.checkpoint.enabled:
+            latest = latest_checkpoint(run.checkpoint_dir)
+            if latest is not None:
+                load_checkpoint(latest, run.state_tree())
+                run.resumed_from = str(latest)
+                if run.is_main:
+                    print(f"resumed from {latest} (step {run.counters.step})", file=sys.stderr)
+        run_loop(run, all_callbacks)
+        summary = summarize(run)
+        if run.is_main:
+            write_summary(run.run_dir, summary)
+    finally:
+        for callback in all_callbacks:
+            if isinstance(callback, MetricsLogger):
+                callback.close()
+        if owns_process_group and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return summary

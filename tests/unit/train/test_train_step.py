@@ -1,0 +1,114 @@
+"""The step function: accumulation equals the full batch, clipping, the NaN policies."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from densetrain.models.loss import cross_entropy_loss
+from densetrain.train import NonFiniteLossError, split_micro_batches, train_step
+
+
+@dataclass(kw_only=True)
+class _Batch:
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    document_ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11))
+
+
+def _loss(model: torch.nn.Module, batch: _Batch):
+    return cross_entropy_loss(model(batch.inputs), batch.targets)
+
+
+def _batch() -> _Batch:
+    gen = torch.Generator().manual_seed(1)
+    inputs = torch.randint(0, 11, (4, 6), generator=gen)
+    targets = torch.randint(0, 11, (4, 6), generator=gen)
+    targets[0, :4] = -100  # micro-batches hold different numbers of counted tokens
+    return _Batch(inputs=inputs, targets=targets)
+
+
+def _step(model, batch, micro: int, *, clip: float = 0.0, policy: str = "stop", step: int = 1):
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    return train_step(
+        model, opt, split_micro_batches(batch, micro), loss_fn=_loss,
+        clip_grad_norm=torch.nn.utils.clip_grad_norm_, grad_clip=clip,
+        autocast=contextlib.nullcontext, nan_policy=policy, step=step,
+    )
+
+
+def test_accumulation_matches_one_full_batch_reference() -> None:
+    batch = _batch()
+    reference = _model()
+    loss = _loss(reference, batch).loss  # mean over all counted tokens
+    loss.backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= 0.5 * p.grad
+    accumulated = _model()
+    out = _step(accumulated, batch, micro=1)
+    assert out.num_tokens == 4 * 6 - 4 and not out.skipped
+    torch.testing.assert_close(out.loss, loss.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.grad_norm, norm, rtol=1e-5, atol=1e-6)
+    for p, q in zip(accumulated.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_clipping_scales_the_update_to_the_max_norm() -> None:
+    batch = _batch()
+    free, clipped = _model(), _model()
+    before = [p.detach().clone() for p in clipped.parameters()]
+    out_free = _step(free, batch, micro=2)
+    out_clip = _step(clipped, batch, micro=2, clip=1e-3)
+    assert float(out_clip.grad_norm) == pytest.approx(float(out_free.grad_norm), rel=1e-6)
+    moved = [(p.detach() - b).flatten() for p, b in zip(clipped.parameters(), before, strict=True)]
+    update_norm = float(torch.cat(moved).norm())
+    assert update_norm == pytest.approx(0.5 * 1e-3, rel=1e-3)  # lr × max_norm
+
+
+def _nan_loss(model, batch):
+    out = _loss(model, batch)
+    return out._replace(loss=out.loss * float("nan"))
+
+
+def test_nan_loss_stops_naming_the_step_and_leaves_weights() -> None:
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with pytest.raises(NonFiniteLossError, match="step 7"):
+        train_step(
+            model, opt, [_batch()], loss_fn=_nan_loss,
+            clip_grad_norm=torch.nn.utils.clip_grad_norm_, grad_clip=1.0,
+            autocast=contextlib.nullcontext, nan_policy="stop", step=7,
+        )
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_nan_loss_skip_policy_skips_the_update() -> None:
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    out = train_step(
+        model, opt, [_batch()], loss_fn=_nan_loss,
+        clip_grad_norm=torch.nn.utils.clip_grad_norm_, grad_clip=1.0,
+        autocast=contextlib.nullcontext, nan_policy="skip", step=3,
+    )
+    assert out.skipped and out.num_tokens == 0 and math.isnan(float(out.loss))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_split_rejects_indivisible_micro_batch() -> None:
+    with pytest.raises(ValueError, match="micro_batch_size=3"):
+        split_micro_batches(_batch(), 3)
