@@ -11,7 +11,7 @@ from data_helpers import synthetic_documents, write_text_files
 
 from densetrain.data import PrepareConfig, TokenStore, load_metadata, load_tokenizer
 from densetrain.data import prepare_dataset as prepare
-from densetrain.data.prepare import _is_val
+from densetrain.data.prepare import is_validation_document
 from densetrain.data.shards import dtype_for_vocab
 
 
@@ -26,14 +26,14 @@ def test_shards_equal_direct_tokenization(prepared, corpus_docs, tokenizer_path)
     assert meta["dtype"] == "uint16" and len(meta["splits"]["train"]["shards"]) > 1
     expected = {"train": [], "val": []}
     for doc in corpus_docs:  # independent reference: encode each document, EOS after each
-        expected["val" if _is_val(doc, 0.1) else "train"] += tok.encode(doc) + [tok.eos_id]
+        expected["val" if is_validation_document(doc, 0.1) else "train"] += tok.encode(doc) + [tok.eos_id]
     for split in ("train", "val"):
         assert _split_tokens(prepared, split).tolist() == expected[split]
     assert 0 < meta["splits"]["val"]["num_documents"] < 40
     total_docs = sum(s["num_documents"] for s in meta["splits"].values())
     assert total_docs == meta["counts"]["read"]["documents"] == len(corpus_docs)
     store = TokenStore(prepared, "train")
-    first_doc = next(d for d in corpus_docs if not _is_val(d, 0.1))
+    first_doc = next(d for d in corpus_docs if not is_validation_document(d, 0.1))
     end = int(store.doc_starts[1]) - 1
     assert tok.decode(store.read(0, end)) == first_doc
     assert len(meta["sources"]) == len(corpus_docs) and len(meta["sources"][0]["sha256"]) == 64
