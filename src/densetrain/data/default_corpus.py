@@ -72,6 +72,12 @@ def ensure_default_corpus(
         if (out / META_FILE).is_file():  # another process finished while this one waited
             return out
         files = stdlib_files(max_files)
+        print(
+            f"densetrain: first use of the default corpus: training a {vocab_size}-token BPE and "
+            f"preparing {len(files)} standard-library files into {out} (once; cached)",
+            file=sys.stderr,
+            flush=True,
+        )
         tokenizer_path = cache / f"{name}.tokenizer" / "tokenizer.json"  # copied into `out`
         if not tokenizer_path.is_file():
             train_tokenizer(_texts(files), tokenizer_path, vocab_size=vocab_size)

@@ -147,6 +147,13 @@ class ZeroOptimizer:
             dist.all_gather_single(gathered, chunk.detach().contiguous(), group=self.group)
             p.copy_(gathered[: p.numel()].view_as(p))
 
+    @torch.no_grad()
+    def reload_params(self) -> None:
+        """Copy this rank's chunks from the full parameters (after the model's weights were
+        loaded, e.g. from a checkpoint), so the next ``step()`` starts from them."""
+        for p in self._full:
+            self._chunk[p].copy_(self._owned_slice(p.detach()))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients of the full parameters and of the chunks."""
         for p in self._full:

@@ -138,6 +138,7 @@ class Evaluator(Callback):
     def __init__(self, *, interval: int, num_batches: int) -> None:
         self.interval = interval
         self.num_batches = num_batches
+        self._noted = False
 
     def on_step_end(self, run: RunState, output: StepOutput) -> None:
         """Evaluate on the cadence (and at the last step)."""
@@ -156,12 +157,18 @@ class Evaluator(Callback):
         """Mean validation loss over the fixed validation batches into ``run.eval_record``."""
         if run.data.val is None:
             return
+        if run.pp_group is not None:
+            if run.is_main and not self._noted:
+                print(f"evaluation skipped: the validation loss is not computed under "
+                      f"parallel.pp={run.job.parallel.pp}", file=sys.stderr)
+            self._noted = True
+            return
         run.model.eval()
         batch_size = run.job.training.micro_batch_size * run.dp_size
         total = torch.zeros((), device=run.device)
         for batch in run.data.val.iter_eval(self.num_batches, batch_size):
             with run.autocast():
-                total += run.loss_fn(run.model, run.to_device(batch)).ce_loss.float()
+                total += run.loss_fn(run.model, run.prepare_batch(batch)).ce_loss.float()
         run.model.train()
         val_loss = _mean_over_ranks(total / self.num_batches)
         run.last_val_loss = val_loss
@@ -178,6 +185,13 @@ class Sampler(Callback):
     def on_train_end(self, run: RunState) -> None:
         """Generate (every rank takes part: a sharded model needs them all) and print."""
         if self.prompt and self.max_new_tokens > 0:
+            parallel = run.job.parallel
+            if parallel.cp > 1 or parallel.pp > 1 or parallel.tp > 1:
+                if run.is_main:
+                    print(f"sample skipped: generation runs with parallel.tp, cp and pp all 1 "
+                          f"(got tp={parallel.tp}, cp={parallel.cp}, pp={parallel.pp})",
+                          file=sys.stderr)
+                return
             run.sample = sample_text(run, self.prompt, self.max_new_tokens)
             if run.is_main:
                 print(f"sample (greedy) | {self.prompt!r} ->\n{self.prompt}{run.sample}\n",

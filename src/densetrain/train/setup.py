@@ -117,12 +117,17 @@ def _build_optimizer(model: torch.nn.Module, dims: Any, mesh: Any, job: Any):
     return optimizer
 
 
-def _clip_fn(optimizer: Any):
-    """Global-norm clipping: the optimizer's own (sharded-gradient optimizers) or the default."""
+def _clip_fn(optimizer: Any, dims: Any, mesh: Any):
+    """Global-norm clipping: the optimizer's own (sharded-gradient optimizers), over all pipeline
+    stages (pp > 1), or the default."""
     from densetrain.optim import clip_grad_norm_
 
     if hasattr(optimizer, "clip_grad_norm_"):
         return lambda _params, max_norm: optimizer.clip_grad_norm_(max_norm)
+    if dims.pp > 1:
+        from densetrain.train.pipelined import pipeline_clip_fn
+
+        return pipeline_clip_fn(_pp_group(dims, mesh))
     return clip_grad_norm_
 
 
@@ -181,18 +186,13 @@ def build_run(job: Any) -> RunState:
     """Everything the loop needs, built from ``job`` (validated here with the real world size)."""
     from densetrain.config import job_config_to_toml
     from densetrain.data import build_data
-    from densetrain.models import Transformer, flops_per_token_palm, param_counts
+    from densetrain.models import flops_per_token_palm, param_counts
     from densetrain.optim import build_lr_scheduler
     from densetrain.parallel.mesh import ParallelDims
 
     rank, world_size, local_rank = _init_distributed(job)
     device = resolve_device(job.training.device, local_rank=local_rank)
     dims = ParallelDims.from_config(job.parallel, world_size)
-    if dims.pp > 1:
-        raise ValueError(
-            f"parallel.pp={dims.pp}: pipeline parallelism is not yet driven by the trainer; "
-            "use pp=1 (dp_shard, dp_replicate, tp and cp are supported)"
-        )
     job.validate(world_size=world_size, dp_size=dims.dp_size)
     mesh = dims.build_mesh(device.type)
     dp_rank = dims.dp_rank(mesh)
@@ -203,12 +203,8 @@ def build_run(job: Any) -> RunState:
         sequence_parallel=job.parallel.sequence_parallel,
     )
     seed_everything(job.training.seed)
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
-    model = _parallelize(model, dims, mesh, job)
-    model.to_empty(device=device)
+    model = _build_model(job, dims, mesh, model_cfg, device)
     inner = unwrap_model(model)
-    _init_weights(model, job.training.seed)
     if job.training.init_from:
         _init_from(model, job.training.init_from)
     optimizer = _build_optimizer(model, dims, mesh, job)
@@ -229,11 +225,44 @@ def build_run(job: Any) -> RunState:
         batch_schedule=job.batch_size_schedule(dims.dp_size), data=data, device=device,
         autocast=autocast_factory(device, job.training.dtype),
         loss_fn=make_loss_fn(model, job.training.loss_chunk_size),
-        clip_grad_norm=_clip_fn(optimizer), counters=TrainerCounters(), rank=rank,
+        clip_grad_norm=_clip_fn(optimizer, dims, mesh), counters=TrainerCounters(), rank=rank,
         world_size=world_size, dp_size=dims.dp_size, run_dir=run_dir,
         checkpoint_dir=Path(job.checkpoint.dir) if job.checkpoint.dir else run_dir / "checkpoints",
         total_steps=job.training.steps,
         flops_per_token=flops_per_token_palm(model_cfg, job.data.seq_len),
         peak_flops=peak, peak_source=peak_source, params=counts.total,
         non_embedding_params=counts.non_embedding, config_toml=config_toml,
+        **_cp_fields(dims, mesh), pp_group=_pp_group(dims, mesh),
     )
+
+
+def _build_model(job: Any, dims: Any, mesh: Any, model_cfg: Any,
+                 device: torch.device) -> torch.nn.Module:
+    """The laid-out, initialised model: meta → ``parallelize()`` → ``to_empty`` → seeded init,
+    or with pp > 1 this rank's pipeline stages (`train.pipelined`)."""
+    from densetrain.models import Transformer
+
+    if dims.pp > 1:
+        from densetrain.train.pipelined import build_pipelined_model
+
+        return build_pipelined_model(job, dims, mesh, model_cfg, device)
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    model = _parallelize(model, dims, mesh, job)
+    model.to_empty(device=device)
+    _init_weights(model, job.training.seed)
+    return model
+
+
+def _pp_group(dims: Any, mesh: Any) -> Any:
+    pp_mesh = dims.submesh(mesh, "pp")
+    return None if pp_mesh is None else pp_mesh.get_group()
+
+
+def _cp_fields(dims: Any, mesh: Any) -> dict[str, Any]:
+    """`RunState`'s context-parallel fields: degree, this rank's index and its group."""
+    cp_mesh = dims.submesh(mesh, "cp")
+    if cp_mesh is None:
+        return {}
+    return {"cp_size": dims.cp, "cp_rank": cp_mesh.get_local_rank(),
+            "cp_group": cp_mesh.get_group()}

@@ -26,7 +26,8 @@ class StepOutput:
     """What a step returns; tensors stay on the device until a logger reads them."""
 
     loss: torch.Tensor
-    """Token-weighted mean training loss of the step on this rank (detached)."""
+    """Token-weighted mean training loss of the step on this rank's sequences (detached; with
+    context or pipeline parallel, of the whole sequences its group shares)."""
     grad_norm: torch.Tensor
     """Global gradient norm before clipping."""
     num_tokens: int
@@ -78,6 +79,7 @@ def train_step(
     nan_policy: str,
     step: int,
     ignore_index: int = -100,
+    cp_group: Any = None,
 ) -> StepOutput:
     """Accumulate gradients over ``micro_batches``, clip, check finiteness, update.
 
@@ -85,9 +87,22 @@ def train_step(
     accumulated gradient equals that of the mean over all tokens of the step. ``step`` (1-based,
     the step being taken) only names the step in errors. ``grad_clip`` <= 0 measures the norm
     without clipping.
+
+    With context parallel (``cp_group``: the ranks sharing each sequence), the token count is
+    summed over the group, so each rank's loss is weighted by its share of the whole sequences'
+    tokens; the gradient is multiplied by the group size because the data-parallel reduction
+    (FSDP over dp_shard × cp) averages over cp ranks where the loss needs their sum. The loss
+    returned is that of the whole sequences (summed over the group).
     """
     token_counts = [_valid_tokens(b, ignore_index) for b in micro_batches]
-    total_tokens = torch.stack(token_counts).sum().clamp(min=1)
+    total_tokens = torch.stack(token_counts).sum()
+    cp_size = 1
+    if cp_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(total_tokens, group=cp_group)
+        cp_size = dist.get_world_size(cp_group)
+    total_tokens = total_tokens.clamp(min=1)
     loss_sum = torch.zeros((), device=micro_batches[0].inputs.device)
     last = len(micro_batches) - 1
     for index, (batch, count) in enumerate(zip(micro_batches, token_counts, strict=True)):
@@ -95,24 +110,45 @@ def train_step(
             with autocast():
                 output = loss_fn(model, batch)
             weight = count.to(output.loss.dtype) / total_tokens
-            (output.loss * weight).backward()
+            (output.loss * (weight * cp_size)).backward()
         loss_sum = loss_sum + output.loss.detach().float() * weight
+    if cp_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(loss_sum, group=cp_group)
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = clip_grad_norm(params, grad_clip if grad_clip > 0 else math.inf)
-    finite = bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))  # the one host sync
-    num_tokens = int(total_tokens) if finite else 0
+    return finish_step(optimizer, loss_sum, grad_norm, total_tokens, nan_policy=nan_policy,
+                       step=step)
+
+
+def finish_step(
+    optimizer: Any,
+    loss: torch.Tensor,
+    grad_norm: torch.Tensor,
+    total_tokens: torch.Tensor,
+    *,
+    nan_policy: str,
+    step: int,
+) -> StepOutput:
+    """The NaN guard and the update, once gradients are accumulated and clipped.
+
+    The finiteness check of ``loss`` and ``grad_norm`` is the step's one host sync; a non-finite
+    step drops its gradients and stops (``nan_policy="stop"``) or skips the update.
+    """
+    finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))  # the one host sync
     if not finite:
         optimizer.zero_grad(set_to_none=True)
         if nan_policy == "stop":
             raise NonFiniteLossError(
-                f"step {step}: non-finite training loss ({loss_sum.item()}) or gradient norm "
+                f"step {step}: non-finite training loss ({loss.item()}) or gradient norm "
                 f"({grad_norm.item()}); the run stops before any update or checkpoint. Lower "
                 "optim.lr, set optim.grad_clip, or use training.nan_policy='skip'"
             )
-        return StepOutput(loss=loss_sum, grad_norm=grad_norm, num_tokens=0, skipped=True)
+        return StepOutput(loss=loss, grad_norm=grad_norm, num_tokens=0, skipped=True)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepOutput(loss=loss_sum, grad_norm=grad_norm, num_tokens=num_tokens)
+    return StepOutput(loss=loss, grad_norm=grad_norm, num_tokens=int(total_tokens))
 
 
 def split_micro_batches(batch: Any, micro_batch_size: int) -> list[Any]:

@@ -70,6 +70,13 @@ class RunState:
     params: int
     non_embedding_params: int
     config_toml: str
+    cp_size: int = 1
+    """Context-parallel degree: each rank of a cp group holds 1/cp of every sequence."""
+    cp_rank: int = 0
+    cp_group: Any = None
+    """The process group of this rank's cp peers (None when cp = 1)."""
+    pp_group: Any = None
+    """The process group of this rank's pipeline stages (None when pp = 1)."""
     start_time: float = field(default_factory=time.perf_counter)
     train_seconds: float = 0.0
     last_train_loss: float = float("nan")
@@ -104,6 +111,30 @@ class RunState:
             for k, v in vars(batch).items()
         }
         return type(batch)(**moved)
+
+    def prepare_batch(self, batch: Any) -> Any:
+        """``batch`` on the device; with context parallel, this rank's load-balanced share of
+        every sequence (`parallel.context.shard_sequence`) with its global positions."""
+        batch = self.to_device(batch)
+        if self.cp_size == 1:
+            return batch
+        from densetrain.parallel.context import shard_sequence
+
+        if batch.document_ids is not None:
+            raise ValueError(
+                f"parallel.cp={self.cp_size} supports the plain causal mask only; turn off "
+                "document masking in the data config"
+            )
+        rows, seq_len = batch.inputs.shape
+        positions_BS = batch.positions
+        if positions_BS is None:
+            positions_BS = torch.arange(seq_len, device=self.device).expand(rows, seq_len)
+        return type(batch)(
+            inputs=shard_sequence(batch.inputs, self.cp_rank, self.cp_size),
+            targets=shard_sequence(batch.targets, self.cp_rank, self.cp_size),
+            positions=shard_sequence(positions_BS, self.cp_rank, self.cp_size),
+            document_ids=None,
+        )
 
     def save_checkpoint(self, keep_last: int) -> Path:
         """Save the state tree as ``step-<step>`` under the checkpoint directory."""
@@ -157,19 +188,8 @@ def run_loop(run: RunState, callbacks: Sequence[Callback]) -> None:
     while run.counters.step < run.total_steps:
         start = time.perf_counter()
         global_batch = run.batch_schedule.batch_size_at(run.counters.step)
-        batch = run.to_device(run.data.train.next_batch(global_batch))
-        output: StepOutput = train_step(
-            run.model,
-            run.optimizer,
-            split_micro_batches(batch, job.training.micro_batch_size),
-            loss_fn=run.loss_fn,
-            clip_grad_norm=run.clip_grad_norm,
-            grad_clip=job.optim.grad_clip,
-            autocast=run.autocast,
-            nan_policy=job.training.nan_policy,
-            step=run.counters.step + 1,
-            ignore_index=run.model_cfg.ignore_index,
-        )
+        batch = run.prepare_batch(run.data.train.next_batch(global_batch))
+        output = _one_step(run, batch)
         run.scheduler.step()
         run.counters.step += 1
         run.counters.tokens += global_batch * job.data.seq_len
@@ -178,6 +198,77 @@ def run_loop(run: RunState, callbacks: Sequence[Callback]) -> None:
             callback.on_step_end(run, output)
     for callback in callbacks:
         callback.on_train_end(run)
+
+
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create ``optimizer``'s per-parameter state (moments, step) without changing parameters.
+
+    A checkpoint load fills the entries of the live state dict, so a fresh optimizer must have
+    them first. ``get_optimizer_state_dict`` does this for plain optimizers; the ZeRO-1/2 wrapper
+    saves its inner optimizer's state directly, so it is done here: one step on zero gradients
+    with the learning rate set to 0 (AdamW's decoupled decay is scaled by lr, so 0 too).
+    """
+    if optimizer.state:
+        return
+    saved_lrs = []
+    for group in optimizer.param_groups:
+        saved_lrs.append(group["lr"])
+        group["lr"] = 0.0
+        for param in group["params"]:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, saved_lrs, strict=True):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def check_optimizer_layout(path: Path, run: RunState) -> None:
+    """Refuse a checkpoint whose optimizer state was saved per rank (ZeRO-1/2) on another number
+    of ranks, or saved per rank while this run's optimizer is not (and vice versa).
+
+    ZeRO-1/2 states are this rank's flat chunks, which are not resharded on load.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    prefix = "optim.rank"
+    saved_ranks = {k[len(prefix):].split(".", 1)[0] for k in stored if k.startswith(prefix)}
+    per_rank_now = not isinstance(run.optimizer, torch.optim.Optimizer)
+    if not saved_ranks and not per_rank_now:
+        return
+    if per_rank_now and len(saved_ranks) == run.world_size:
+        return
+    saved = f"ZeRO-1/2 on world size {len(saved_ranks)}" if saved_ranks else (
+        "a layout-independent optimizer (zero_stage 3 or one process)")
+    now = (f"ZeRO-1/2 on world size {run.world_size}" if per_rank_now
+           else f"parallel.zero_stage={run.job.parallel.zero_stage} on world size "
+           f"{run.world_size}")
+    raise ValueError(
+        f"checkpoint {path} holds optimizer states of {saved}, but this run uses {now}: ZeRO-1/2 "
+        "optimizer states are not resharded, so resume it with the same parallel.zero_stage and "
+        "world size (or set checkpoint.resume=false and training.init_from to take the weights "
+        "only)"
+    )
+
+
+def _one_step(run: RunState, batch: Any) -> StepOutput:
+    """One optimizer step on the rank's ``batch``: through the pipeline schedule (pp > 1) or
+    by gradient accumulation over micro-batches."""
+    job = run.job
+    common = dict(clip_grad_norm=run.clip_grad_norm, grad_clip=job.optim.grad_clip,
+                  nan_policy=job.training.nan_policy, step=run.counters.step + 1,
+                  ignore_index=run.model_cfg.ignore_index)
+    if run.pp_group is not None:
+        from densetrain.train.pipelined import pipeline_step
+
+        with run.autocast():
+            return pipeline_step(run.model, run.optimizer, batch, pp_group=run.pp_group,
+                                 **common)
+    return train_step(
+        run.model, run.optimizer, split_micro_batches(batch, job.training.micro_batch_size),
+        loss_fn=run.loss_fn, autocast=run.autocast, cp_group=run.cp_group, **common,
+    )
 
 
 def summarize(run: RunState) -> dict[str, Any]:
@@ -234,7 +325,12 @@ def train(job: Any, *, callbacks: Sequence[Callback] | None = None) -> dict[str,
         if job.checkpoint.resume and job.checkpoint.enabled:
             latest = latest_checkpoint(run.checkpoint_dir)
             if latest is not None:
+                check_optimizer_layout(latest, run)
+                if not isinstance(run.optimizer, torch.optim.Optimizer):
+                    init_optimizer_state(run.optimizer.optimizer)
                 load_checkpoint(latest, run.state_tree())
+                if hasattr(run.optimizer, "reload_params"):  # ZeRO-1/2 master chunks
+                    run.optimizer.reload_params()
                 run.resumed_from = str(latest)
                 if run.is_main:
                     print(f"resumed from {latest} (step {run.counters.step})", file=sys.stderr)
