@@ -190,7 +190,8 @@ class _Preparer:
         kept = {"train": [], "val": []}
         for text in texts:
             if self._keep(text, removed):
-                kept["val" if is_validation_document(text, self.cfg.val_fraction) else "train"].append(text)
+                is_val = is_validation_document(text, self.cfg.val_fraction)
+                kept["val" if is_val else "train"].append(text)
         for reason, count in removed.items():
             self.state["removed"][reason] = self.state["removed"].get(reason, 0) + count
         for split, split_texts in kept.items():

@@ -26,7 +26,8 @@ def test_shards_equal_direct_tokenization(prepared, corpus_docs, tokenizer_path)
     assert meta["dtype"] == "uint16" and len(meta["splits"]["train"]["shards"]) > 1
     expected = {"train": [], "val": []}
     for doc in corpus_docs:  # independent reference: encode each document, EOS after each
-        expected["val" if is_validation_document(doc, 0.1) else "train"] += tok.encode(doc) + [tok.eos_id]
+        split = "val" if is_validation_document(doc, 0.1) else "train"
+        expected[split] += tok.encode(doc) + [tok.eos_id]
     for split in ("train", "val"):
         assert _split_tokens(prepared, split).tolist() == expected[split]
     assert 0 < meta["splits"]["val"]["num_documents"] < 40
