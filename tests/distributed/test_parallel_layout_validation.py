@@ -33,7 +33,11 @@ def test_degrees_must_multiply_to_world_size():
     ("layout", "world", "model_kw", "seq", "batch", "pattern"),
     [
         (dict(tp=8, dp_shard=1), 8, {}, 16, 8, r"tp=8 must divide the attention heads"),
-        (dict(tp=4, dp_shard=1), 4, dict(num_kv_heads=2), 16, 8, r"num_kv_heads=2"),
+        # 3 kv heads on tp 2: neither divides the other, so no rank maps onto one kv head
+        (
+            dict(tp=2, dp_shard=1), 2, dict(dim=96, num_heads=6, num_kv_heads=3), 16, 8,
+            r"num_kv_heads=3",
+        ),
         (dict(pp=8, dp_shard=1), 8, {}, 16, 8, r"pp=8 stages cannot exceed model.num_layers=4"),
         (dict(cp=2, dp_shard=1), 2, {}, 18, 8, r"cp=2 needs the sequence length 18"),
         (dict(dp_shard=4), 4, {}, 16, 6, r"global batch size 6 must be a multiple of .* = 4"),
@@ -46,9 +50,10 @@ def test_layout_that_does_not_fit_model_is_rejected(layout, world, model_kw, seq
         dims.validate_for_model(model_cfg(**model_kw), seq, batch)
 
 
-def test_mqa_is_accepted_with_tp_larger_than_kv_heads():
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_kv_heads_fewer_than_tp_are_accepted(kv_heads):
     dims = ParallelDims.from_config(ParallelConfig(tp=4, dp_shard=1), 4)
-    dims.validate_for_model(model_cfg(num_kv_heads=1), 16, 8)
+    dims.validate_for_model(model_cfg(num_kv_heads=kv_heads), 16, 8)
 
 
 @pytest.mark.parametrize(

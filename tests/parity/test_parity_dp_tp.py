@@ -52,6 +52,8 @@ FOUR_RANK = {
     "hsdp_2x2": dict(dp_replicate=2, dp_shard=2),
     "fsdp2_tp2": dict(dp_shard=2, tp=2),
     "cp2_tp2": dict(cp=2, tp=2, dp_shard=1),
+    # GQA with 2 kv heads on 4 tp ranks: kv projections replicated, each rank uses one kv head
+    "tp4_gqa_kv2": dict(tp=4, dp_shard=1),
     "fsdp2_tp2_compute_loss": dict(dp_shard=2, tp=2, _compute_loss=True),
 }
 

@@ -108,11 +108,11 @@ class ParallelDims:
             raise ValueError(
                 f"parallel.tp={self.tp} must divide the attention heads (model.num_heads={heads})"
             )
-        if kv_heads % self.tp != 0 and kv_heads != 1:
+        if kv_heads % self.tp != 0 and self.tp % kv_heads != 0:
             raise ValueError(
                 f"parallel.tp={self.tp} must divide model.num_kv_heads={kv_heads} (kv heads split "
-                "across ranks), or the model must have a single kv head (MQA: replicated on every "
-                "tp rank)"
+                "across ranks) or be a multiple of it (kv heads replicated, each rank keeping the "
+                "one its query heads use)"
             )
         if model_cfg.ffn_dim % self.tp != 0:
             raise ValueError(

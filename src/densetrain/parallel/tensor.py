@@ -10,9 +10,11 @@ unevenly) and the output projection is column-wise over the vocab. ``compute_los
 vocab-parallel cross-entropy of each rank's logit slice (``parallel/loss.py``); ``forward``
 returns the gathered logits.
 
-GQA: kv heads are split across tp ranks when tp divides them; a single kv head (MQA) is
-replicated on every rank (its gradient summed over tp). Each attention module's head counts are
-set to the local ones, so the model code reshapes with the local sizes.
+GQA: kv heads are split across tp ranks when tp divides them. With fewer kv heads than tp ranks
+(kv dividing tp; MQA is kv = 1), the kv projections are replicated on every rank and each rank
+keeps the output of the one kv head its query heads use (rank r: head r // (tp / kv)); the
+weight gradient is summed over tp. Each attention module's head counts are set to the local
+ones, so the model code reshapes with the local sizes.
 """
 
 from __future__ import annotations
@@ -39,17 +41,23 @@ def _attention_plan(attn: nn.Module, tp: int, sequence_parallel: bool) -> dict:
     }
     kv_sharded = attn.num_kv_heads % tp == 0
     for name in ("attn.wk", "attn.wv"):
-        plan[name] = ColwiseParallel() if kv_sharded else _ReplicatedKV()
+        plan[name] = (
+            ColwiseParallel() if kv_sharded else _ReplicatedKV(attn.num_kv_heads, attn.head_dim, tp)
+        )
     return plan
 
 
 class _ReplicatedKV(ColwiseParallel):
-    """A kv projection kept whole on every tp rank (MQA with tp > kv heads).
+    """A kv projection kept whole on every tp rank (fewer kv heads than tp ranks).
 
-    Its weight is a Replicate DTensor; the output is used locally and its gradient marked
-    Partial so that the weight gradient is summed over the tp ranks, which each used the head
-    for their own query heads.
+    Its weight is a Replicate DTensor. Each rank keeps only the output columns of the kv head
+    its local query heads attend with, and marks the gradient Partial so that the weight
+    gradient (zero outside a rank's head) is summed over the tp ranks.
     """
+
+    def __init__(self, num_kv_heads: int, head_dim: int, tp: int) -> None:
+        super().__init__()
+        self.num_kv_heads, self.head_dim, self.tp = num_kv_heads, head_dim, tp
 
     def _partition_linear_fn(self, name, module, device_mesh):
         for pname, param in list(module.named_parameters()):
@@ -57,12 +65,15 @@ class _ReplicatedKV(ColwiseParallel):
                 DTensor.from_local(param.data, device_mesh, [Replicate()], run_check=False)
             )
             module.register_parameter(pname, replicated)
+        head = device_mesh.get_local_rank() // (self.tp // self.num_kv_heads)
+        module._kv_columns = (head * self.head_dim, (head + 1) * self.head_dim)
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         if isinstance(outputs, DTensor):
-            return outputs.to_local(grad_placements=[Partial()])
-        return outputs
+            outputs = outputs.to_local(grad_placements=[Partial()])
+        start, end = mod._kv_columns
+        return outputs[..., start:end]
 
 
 def _block_plan(block: nn.Module, tp: int, sequence_parallel: bool) -> dict:
@@ -92,10 +103,10 @@ def _check_supported(model: nn.Module, tp: int) -> None:
             "tensor parallel supports pre-norm sequential blocks; got "
             f"block_type={cfg.block_type!r}, norm_position={cfg.norm_position!r}"
         )
-    if cfg.num_kv_heads % tp != 0 and cfg.num_kv_heads != 1:
+    if cfg.num_kv_heads % tp != 0 and tp % cfg.num_kv_heads != 0:
         raise ValueError(
-            f"parallel.tp={tp} must divide model.num_kv_heads={cfg.num_kv_heads} or the model "
-            "must have one kv head (replicated)"
+            f"parallel.tp={tp} must divide model.num_kv_heads={cfg.num_kv_heads} (kv heads "
+            "split) or be a multiple of it (kv heads replicated)"
         )
     extras = [
         n for n in ("project_in", "project_out", "pos_embeddings", "embed_norm")
