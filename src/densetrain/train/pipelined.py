@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -72,7 +73,7 @@ def build_pipelined_model(job: Any, dims: Any, mesh: Any, model_cfg: Any,
     """This rank's stages of ``model_cfg`` (parallelized, initialised) and their schedule."""
     from densetrain.models import Transformer
     from densetrain.models.loss import cross_entropy_loss
-    from densetrain.parallel.pipeline import build_pipeline
+    from densetrain.parallel.pipeline import bubble_fraction, build_pipeline
 
     if job.parallel.zero_stage < 3:
         raise ValueError(
@@ -82,6 +83,15 @@ def build_pipelined_model(job: Any, dims: Any, mesh: Any, model_cfg: Any,
     if job.training.compile:
         raise ValueError(f"training.compile is not supported with parallel.pp={dims.pp}")
     cfg = dataclasses.replace(job.parallel, pp_microbatches=pipeline_microbatches(job, dims))
+    virtual = cfg.pp_virtual_stages
+    if dist.get_rank() == 0:
+        print(
+            f"pipeline: {dims.pp} stages x {virtual} virtual, schedule {cfg.pp_schedule}, "
+            f"{cfg.pp_microbatches} microbatches; bubble fraction (p-1)/(v*m+p-1) = "
+            f"{bubble_fraction(dims.pp, cfg.pp_microbatches, virtual):.3f} "
+            "(Narayanan et al. 2021)",
+            file=sys.stderr,
+        )
 
     def make_stage() -> nn.Module:
         with torch.device(device):
