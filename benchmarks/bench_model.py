@@ -23,6 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from densetrain.models import ModelConfig, Transformer
+from densetrain.models.hf import build_transformers_model
+from densetrain.models.presets.gpt2 import gpt2_config
+from densetrain.models.presets.llama import llama_config
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,65 +47,24 @@ VOCAB = {"llama": 32000, "gpt2": 50257}
 
 
 def densetrain_config(family: str, shape: Shape, vocab: int) -> ModelConfig:
-    """The densetrain twin of the ``transformers`` model built by ``hf_model``."""
+    """The benchmark model: a LLaMA- or GPT-2-style config from the preset family builders."""
     if family == "llama":
-        return ModelConfig(
-            vocab_size=vocab,
-            dim=shape.dim,
-            num_layers=shape.layers,
-            num_heads=shape.heads,
-            num_kv_heads=shape.kv_heads,
-            ffn_dim=shape.ffn_llama,
-            max_seq_len=shape.seq,
-            norm_eps=1e-6,
+        return llama_config(
+            family="llama", dim=shape.dim, num_layers=shape.layers, num_heads=shape.heads,
+            num_kv_heads=shape.kv_heads, ffn_dim=shape.ffn_llama, published_params=0,
+            vocab_size=vocab, max_seq_len=shape.seq, norm_eps=1e-6,
         )
-    return ModelConfig(
-        vocab_size=vocab,
-        dim=shape.dim,
-        num_layers=shape.layers,
-        num_heads=shape.heads,
-        max_seq_len=shape.seq,
-        norm_type="layernorm",
-        norm_bias=True,
-        position_embedding="learned",
-        activation="gelu_tanh",
-        qkv_bias=True,
-        attn_out_bias=True,
-        mlp_bias=True,
-        tie_embeddings=True,
+    return gpt2_config(
+        dim=shape.dim, num_layers=shape.layers, num_heads=shape.heads, published_params=0,
+        vocab_size=vocab, max_seq_len=shape.seq,
     )
 
 
 def hf_model(family: str, shape: Shape, vocab: int) -> torch.nn.Module:
-    """LlamaForCausalLM or GPT2LMHeadModel of ``shape`` with sdpa attention and no dropout."""
-    import transformers
-
-    if family == "llama":
-        config = transformers.LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=shape.dim,
-            intermediate_size=shape.ffn_llama,
-            num_hidden_layers=shape.layers,
-            num_attention_heads=shape.heads,
-            num_key_value_heads=shape.kv_heads,
-            max_position_embeddings=shape.seq,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-        )
-        config._attn_implementation = "sdpa"
-        return transformers.LlamaForCausalLM(config)
-    config = transformers.GPT2Config(
-        vocab_size=vocab,
-        n_embd=shape.dim,
-        n_layer=shape.layers,
-        n_head=shape.heads,
-        n_positions=shape.seq,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+    """The ``transformers`` twin of ``densetrain_config`` (sdpa attention, no dropout)."""
+    return build_transformers_model(
+        densetrain_config(family, shape, vocab), family, attn_implementation="sdpa"
     )
-    config._attn_implementation = "sdpa"
-    return transformers.GPT2LMHeadModel(config)
 
 
 def make_step(variant: str, family: str, shape: Shape):

@@ -64,25 +64,12 @@ def densetrain_config(spec: dict):
 
 
 def hf_model(spec: dict) -> torch.nn.Module:
-    """The transformers model of the same architecture (dropout off, SDPA attention)."""
-    import transformers
+    """The ``transformers`` twin of ``densetrain_config`` (sdpa attention, no dropout)."""
+    from densetrain.models.hf import build_transformers_model
 
-    if spec["family"] == "gpt2":
-        cfg = transformers.GPT2Config(
-            vocab_size=spec["vocab"], n_positions=spec["seq"], n_embd=spec["dim"],
-            n_layer=spec["num_layers"], n_head=spec["num_heads"], resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
-        )
-        cfg._attn_implementation = "sdpa"
-        return transformers.GPT2LMHeadModel(cfg)
-    cfg = transformers.LlamaConfig(
-        vocab_size=spec["vocab"], hidden_size=spec["dim"], intermediate_size=spec["ffn"],
-        num_hidden_layers=spec["num_layers"], num_attention_heads=spec["num_heads"],
-        num_key_value_heads=spec["kv_heads"], max_position_embeddings=spec["seq"],
-        rms_norm_eps=1e-5, tie_word_embeddings=False,
+    return build_transformers_model(
+        densetrain_config(spec), spec["family"], attn_implementation="sdpa"
     )
-    cfg._attn_implementation = "sdpa"
-    return transformers.LlamaForCausalLM(cfg)
 
 
 def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:

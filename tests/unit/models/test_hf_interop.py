@@ -331,3 +331,25 @@ def test_keys_of_checkpoints_saved_without_the_head_wrapper_are_restored():
     assert opt.normalise_key("decoder.layers.0.fc1.weight", expected) == next(iter(expected))
     assert opt.normalise_key("layers.0.fc1.weight", expected) == next(iter(expected))
     assert opt.normalise_key("layers.0.fc9.weight", expected) == "layers.0.fc9.weight"
+
+
+@pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama", "tiny-bloom", "tiny-opt"])
+def test_build_transformers_model_has_the_exported_shapes(preset):
+    from densetrain.models import Transformer, get_preset
+    from densetrain.models.hf import build_transformers_model
+
+    cfg = get_preset(preset)
+    family = cfg.extra["hf_family"]
+    hf = build_transformers_model(cfg, family)
+    assert sum(p.numel() for p in hf.parameters()) == sum(
+        p.numel() for p in Transformer(cfg).parameters()
+    )
+
+
+def test_gpt2_export_carries_the_model_dropout():
+    from densetrain.models import get_preset
+    from densetrain.models.hf import config_to_hf
+
+    hf = config_to_hf(get_preset("tiny-gpt2").replace(dropout=0.1), "gpt2")
+    assert (hf["resid_pdrop"], hf["embd_pdrop"], hf["attn_pdrop"]) == (0.1, 0.1, 0.1)
+    assert config_to_hf(get_preset("tiny-gpt2"), "gpt2")["attn_pdrop"] == 0.0

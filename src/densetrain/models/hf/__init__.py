@@ -6,6 +6,7 @@ loading/saving rules and the per-family modules for the state-dict layouts.
 
 from densetrain.models.hf.interop import (
     SUPPORTED_MODEL_TYPES,
+    build_transformers_model,
     config_from_hf,
     config_to_hf,
     get_adapter,
@@ -17,6 +18,7 @@ from densetrain.models.hf.shapes import dt_param_shapes
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
+    "build_transformers_model",
     "config_from_hf",
     "config_to_hf",
     "dt_param_shapes",

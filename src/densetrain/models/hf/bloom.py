@@ -87,8 +87,8 @@ class BloomAdapter(HFAdapter):
             "layer_norm_epsilon": cfg.norm_eps,
             "seq_length": cfg.max_seq_len,
             "apply_residual_connection_post_layernorm": False,
-            "hidden_dropout": 0.0,
-            "attention_dropout": 0.0,
+            "hidden_dropout": cfg.dropout,
+            "attention_dropout": cfg.dropout,
         }
 
     def rename_pairs(self, cfg: ModelConfig) -> list[Pair]:

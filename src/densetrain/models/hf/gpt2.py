@@ -97,6 +97,9 @@ class GPT2Adapter(HFAdapter):
             "scale_attn_weights": True,
             "scale_attn_by_inverse_layer_idx": False,
             "reorder_and_upcast_attn": False,
+            "resid_pdrop": cfg.dropout,
+            "embd_pdrop": cfg.dropout,
+            "attn_pdrop": cfg.dropout,
         }
 
     def rename_pairs(self, cfg: ModelConfig) -> list[Pair]:

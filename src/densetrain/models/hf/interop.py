@@ -87,6 +87,26 @@ def config_to_hf(cfg: ModelConfig, family: str) -> dict:
     return get_adapter(family).config_to_hf(cfg)
 
 
+def build_transformers_model(
+    cfg: ModelConfig, family: str, *, attn_implementation: str | None = None
+):
+    """A randomly initialised ``transformers`` model of the same architecture as ``cfg``.
+
+    The twin used to compare densetrain with ``transformers`` (tests, benchmarks); built from
+    ``config_to_hf``, so it has exactly the shapes ``save_hf`` exports. Imports ``transformers``.
+    ``attn_implementation`` None lets ``transformers`` pick (SDPA where the family supports it).
+    """
+    import transformers
+
+    hf_config = dict(config_to_hf(cfg, family))
+    model_type = hf_config.pop("model_type")
+    hf_config.pop("architectures", None)
+    config = transformers.AutoConfig.for_model(model_type, **hf_config)
+    return transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=attn_implementation
+    )
+
+
 # ---------------------------------------------------------------------------- load
 def load_hf(path: str | Path, *, dtype: torch.dtype | None = None) -> Transformer:
     """Load a Hugging Face checkpoint directory as a densetrain ``Transformer``.

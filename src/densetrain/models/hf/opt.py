@@ -98,8 +98,8 @@ class OPTAdapter(HFAdapter):
             "activation_function": activation_to_hf(cfg, self.model_type),
             "enable_bias": cfg.qkv_bias,
             "layer_norm_elementwise_affine": True,
-            "dropout": 0.0,
-            "attention_dropout": 0.0,
+            "dropout": cfg.dropout,
+            "attention_dropout": cfg.dropout,
         }
 
     def check_expressible(self, cfg: ModelConfig) -> None:

@@ -95,9 +95,9 @@ class PhiAdapter(HFAdapter):
             "hidden_act": activation_to_hf(cfg, self.model_type),
             "partial_rotary_factor": cfg.rotary_fraction,
             "qk_layernorm": False,
-            "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "attention_dropout": 0.0,
+            "resid_pdrop": cfg.dropout,
+            "embd_pdrop": cfg.dropout,
+            "attention_dropout": cfg.dropout,
             **rope_to_hf(cfg, with_fraction=True),
         }
 
