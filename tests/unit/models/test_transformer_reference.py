@@ -27,75 +27,90 @@ def _split_fused_per_head(weight, heads: int, head_dim: int):
     return [w[:, i].reshape(heads * head_dim, *weight.shape[1:]) for i in range(3)]
 
 
-def _llama_like(hf_sd: dict, cfg: ModelConfig) -> dict:
-    names = {
-        "self_attn.q_proj": "attn.wq",
-        "self_attn.k_proj": "attn.wk",
-        "self_attn.v_proj": "attn.wv",
-        "self_attn.o_proj": "attn.wo",
-        "self_attn.q_norm": "attn.q_norm",
-        "self_attn.k_norm": "attn.k_norm",
-        "mlp.gate_proj": "mlp.w_gate",
-        "mlp.up_proj": "mlp.w_up",
-        "mlp.down_proj": "mlp.w_down",
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "mlp_norm",
-    }
+def _remap(hf_sd: dict, cfg: ModelConfig, renames, *, fused_layers=None, skip=()) -> dict:
+    """Rename HF keys by ordered substring replacements; ``fused_layers=(hf, attn)`` splits a
+    per-head fused ``query_key_value`` (NeoX/BLOOM) found under layer prefix ``hf``."""
     out = {}
     for key, value in hf_sd.items():
-        new = key.replace("model.embed_tokens", "tok_embeddings").replace("model.norm", "norm")
-        new = new.replace("lm_head", "output").replace("model.layers", "layers")
-        for old, repl in names.items():
-            new = new.replace(old, repl)
-        out[new] = value
+        if key.startswith(skip):
+            continue
+        if fused_layers is not None and "query_key_value" in key:
+            hf_layers, attn_name = fused_layers
+            prefix = key.split(attn_name)[0].replace(hf_layers, "layers")
+            suffix = key.rsplit(".", 1)[1]
+            parts = _split_fused_per_head(value, cfg.num_heads, cfg.head_dim)
+            for name, part in zip("qkv", parts, strict=True):
+                out[f"{prefix}attn.w{name}.{suffix}"] = part
+            continue
+        for old, repl in renames:
+            key = key.replace(old, repl)
+        out[key] = value
     return out
+
+
+_LLAMA_RENAMES = [
+    ("model.embed_tokens", "tok_embeddings"), ("model.norm", "norm"), ("lm_head", "output"),
+    ("model.layers", "layers"), ("self_attn.q_proj", "attn.wq"), ("self_attn.k_proj", "attn.wk"),
+    ("self_attn.v_proj", "attn.wv"), ("self_attn.o_proj", "attn.wo"),
+    ("self_attn.q_norm", "attn.q_norm"), ("self_attn.k_norm", "attn.k_norm"),
+    ("mlp.gate_proj", "mlp.w_gate"), ("mlp.up_proj", "mlp.w_up"), ("mlp.down_proj", "mlp.w_down"),
+    ("input_layernorm", "attn_norm"), ("post_attention_layernorm", "mlp_norm"),
+]
+_FUSED_BLOCK_RENAMES = [  # shared by NeoX and BLOOM after their own prefixes
+    ("input_layernorm", "attn_norm"), ("post_attention_layernorm", "mlp_norm"),
+    ("mlp.dense_h_to_4h", "mlp.w_up"), ("mlp.dense_4h_to_h", "mlp.w_down"),
+]
+_NEOX_RENAMES = [
+    ("gpt_neox.embed_in", "tok_embeddings"), ("embed_out", "output"), ("lm_head", "output"),
+    ("gpt_neox.final_layer_norm", "norm"), ("gpt_neox.layers", "layers"),
+    ("attention.dense", "attn.wo"), *_FUSED_BLOCK_RENAMES,
+]
+_BLOOM_RENAMES = [
+    ("transformer.word_embeddings_layernorm", "embed_norm"),
+    ("transformer.word_embeddings", "tok_embeddings"), ("transformer.ln_f", "norm"),
+    ("transformer.h", "layers"), ("self_attention.dense", "attn.wo"), *_FUSED_BLOCK_RENAMES,
+]
+_OPT_RENAMES = [
+    ("model.decoder.embed_tokens", "tok_embeddings"),
+    ("model.decoder.embed_positions", "pos_embeddings"),
+    ("model.decoder.final_layer_norm", "norm"), ("model.decoder.layers", "layers"),
+    ("self_attn.q_proj", "attn.wq"), ("self_attn.k_proj", "attn.wk"),
+    ("self_attn.v_proj", "attn.wv"), ("self_attn.out_proj", "attn.wo"),
+    ("self_attn_layer_norm", "attn_norm"), ("final_layer_norm", "mlp_norm"),
+    ("fc1", "mlp.w_up"), ("fc2", "mlp.w_down"),
+    ("model.decoder.project_in", "project_in"), ("model.decoder.project_out", "project_out"),
+]
+_PHI_RENAMES = [
+    ("model.embed_tokens", "tok_embeddings"), ("model.final_layernorm", "norm"),
+    ("lm_head", "output"), ("model.layers", "layers"), ("self_attn.q_proj", "attn.wq"),
+    ("self_attn.k_proj", "attn.wk"), ("self_attn.v_proj", "attn.wv"),
+    ("self_attn.dense", "attn.wo"), ("input_layernorm", "attn_norm"),
+    ("mlp.fc1", "mlp.w_up"), ("mlp.fc2", "mlp.w_down"),
+]
+
+
+def _llama_like(hf_sd: dict, cfg: ModelConfig) -> dict:
+    return _remap(hf_sd, cfg, _LLAMA_RENAMES)
 
 
 def _neox(hf_sd: dict, cfg: ModelConfig) -> dict:
-    out = {}
-    for key, value in hf_sd.items():
-        if "query_key_value" in key:
-            prefix = key.split("attention")[0].replace("gpt_neox.layers", "layers")
-            suffix = key.rsplit(".", 1)[1]
-            for name, part in zip(
-                "qkv", _split_fused_per_head(value, cfg.num_heads, cfg.head_dim), strict=True
-            ):
-                out[f"{prefix}attn.w{name}.{suffix}"] = part
-            continue
-        new = key.replace("gpt_neox.embed_in", "tok_embeddings").replace("embed_out", "output")
-        new = new.replace("lm_head", "output")
-        new = new.replace("gpt_neox.final_layer_norm", "norm").replace("gpt_neox.layers", "layers")
-        new = new.replace("attention.dense", "attn.wo").replace("input_layernorm", "attn_norm")
-        new = new.replace("post_attention_layernorm", "mlp_norm")
-        new = new.replace("mlp.dense_h_to_4h", "mlp.w_up").replace(
-            "mlp.dense_4h_to_h", "mlp.w_down"
-        )
-        out[new] = value
-    return out
+    return _remap(hf_sd, cfg, _NEOX_RENAMES, fused_layers=("gpt_neox.layers", "attention"))
 
 
 def _bloom(hf_sd: dict, cfg: ModelConfig) -> dict:
-    out = {}
-    for key, value in hf_sd.items():
-        if "query_key_value" in key:
-            prefix = key.split("self_attention")[0].replace("transformer.h", "layers")
-            suffix = key.rsplit(".", 1)[1]
-            for name, part in zip(
-                "qkv", _split_fused_per_head(value, cfg.num_heads, cfg.head_dim), strict=True
-            ):
-                out[f"{prefix}attn.w{name}.{suffix}"] = part
-            continue
-        new = key.replace("transformer.word_embeddings_layernorm", "embed_norm")
-        new = new.replace("transformer.word_embeddings", "tok_embeddings")
-        new = new.replace("transformer.ln_f", "norm").replace("transformer.h", "layers")
-        new = new.replace("self_attention.dense", "attn.wo").replace("input_layernorm", "attn_norm")
-        new = new.replace("post_attention_layernorm", "mlp_norm")
-        new = new.replace("mlp.dense_h_to_4h", "mlp.w_up").replace(
-            "mlp.dense_4h_to_h", "mlp.w_down"
-        )
-        if not new.startswith("lm_head"):
-            out[new] = value
-    return out
+    # BLOOM's head is tied to the word embeddings: its lm_head copy is dropped
+    return _remap(
+        hf_sd, cfg, _BLOOM_RENAMES, fused_layers=("transformer.h", "self_attention"),
+        skip=("lm_head",),
+    )
+
+
+def _opt(hf_sd: dict, cfg: ModelConfig) -> dict:
+    return _remap(hf_sd, cfg, _OPT_RENAMES, skip=("lm_head",))
+
+
+def _phi(hf_sd: dict, cfg: ModelConfig) -> dict:
+    return _remap(hf_sd, cfg, _PHI_RENAMES)
 
 
 def _gpt2(hf_sd: dict, cfg: ModelConfig) -> dict:
@@ -122,43 +137,6 @@ def _gpt2(hf_sd: dict, cfg: ModelConfig) -> dict:
         new = new.replace("mlp.c_proj", "mlp.w_down")
         is_conv1d = any(s in key for s in ("c_proj.weight", "c_fc.weight"))
         out[new] = value.t() if is_conv1d else value
-    return out
-
-
-def _opt(hf_sd: dict, cfg: ModelConfig) -> dict:
-    out = {}
-    for key, value in hf_sd.items():
-        if key.startswith("lm_head"):
-            continue
-        new = key.replace("model.decoder.embed_tokens", "tok_embeddings")
-        new = new.replace("model.decoder.embed_positions", "pos_embeddings")
-        new = new.replace("model.decoder.final_layer_norm", "norm").replace(
-            "model.decoder.layers", "layers"
-        )
-        new = new.replace("self_attn.q_proj", "attn.wq").replace("self_attn.k_proj", "attn.wk")
-        new = new.replace("self_attn.v_proj", "attn.wv").replace("self_attn.out_proj", "attn.wo")
-        new = new.replace("self_attn_layer_norm", "attn_norm").replace(
-            "final_layer_norm", "mlp_norm"
-        )
-        new = new.replace("fc1", "mlp.w_up").replace("fc2", "mlp.w_down")
-        new = new.replace("model.decoder.project_in", "project_in")
-        new = new.replace("model.decoder.project_out", "project_out")
-        out[new] = value
-    return out
-
-
-def _phi(hf_sd: dict, cfg: ModelConfig) -> dict:
-    out = {}
-    for key, value in hf_sd.items():
-        new = key.replace("model.embed_tokens", "tok_embeddings").replace(
-            "model.final_layernorm", "norm"
-        )
-        new = new.replace("lm_head", "output").replace("model.layers", "layers")
-        new = new.replace("self_attn.q_proj", "attn.wq").replace("self_attn.k_proj", "attn.wk")
-        new = new.replace("self_attn.v_proj", "attn.wv").replace("self_attn.dense", "attn.wo")
-        new = new.replace("input_layernorm", "attn_norm")
-        new = new.replace("mlp.fc1", "mlp.w_up").replace("mlp.fc2", "mlp.w_down")
-        out[new] = value
     return out
 
 
