@@ -8,6 +8,7 @@ exactly. ALiBi sets no length limit; ``max_seq_len`` is the training length, 204
 from __future__ import annotations
 
 from densetrain.models.config import ModelConfig
+from densetrain.models.presets._table import presets_from_table
 
 
 def bloom_config(
@@ -47,11 +48,6 @@ _TABLE_3 = {
 }
 
 
-def _builder(row: tuple):
-    dim, layers, heads, published = row
-    return lambda: bloom_config(
-        dim=dim, num_layers=layers, num_heads=heads, published_params=published
-    )
-
-
-PRESETS = {name: _builder(row) for name, row in _TABLE_3.items()}
+PRESETS = presets_from_table(
+    _TABLE_3, bloom_config, ("dim", "num_layers", "num_heads", "published_params")
+)

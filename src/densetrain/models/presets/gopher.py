@@ -11,6 +11,7 @@ published counts equal these presets' counts plus ``num_layers * dim**2`` (see
 from __future__ import annotations
 
 from densetrain.models.config import ModelConfig
+from densetrain.models.presets._table import presets_from_table
 
 
 def gopher_config(
@@ -49,15 +50,9 @@ _TABLE_1 = {
 }
 
 
-def _builder(row: tuple):
-    layers, heads, head_dim, dim, published = row
-    return lambda: gopher_config(
-        num_layers=layers, num_heads=heads, head_dim=head_dim, dim=dim,
-        published_params=published,
-    )
-
-
-PRESETS = {name: _builder(row) for name, row in _TABLE_1.items()}
+PRESETS = presets_from_table(
+    _TABLE_1, gopher_config, ("num_layers", "num_heads", "head_dim", "dim", "published_params")
+)
 # Chinchilla Table 4: 80 layers, 64 heads, key/value size 128, d_model 8192.
 PRESETS["chinchilla-70b"] = lambda: gopher_config(
     num_layers=80, num_heads=64, head_dim=128, dim=8192, published_params=70e9,

@@ -14,9 +14,8 @@ read as follows:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from densetrain.models.config import ModelConfig
+from densetrain.models.presets._table import presets_from_table
 from densetrain.models.presets.gpt2 import gpt2_config
 
 
@@ -48,11 +47,6 @@ _TABLE_2_1 = {
 }
 
 
-def _builder(row: tuple) -> Callable[[], ModelConfig]:
-    layers, dim, heads, head_dim, published = row
-    return lambda: gpt3_config(
-        num_layers=layers, dim=dim, num_heads=heads, head_dim=head_dim, published_params=published
-    )
-
-
-PRESETS = {name: _builder(row) for name, row in _TABLE_2_1.items()}
+PRESETS = presets_from_table(
+    _TABLE_2_1, gpt3_config, ("num_layers", "dim", "num_heads", "head_dim", "published_params")
+)

@@ -8,6 +8,7 @@ projects to 1024 and back. Counts equal ``OPTForCausalLM``'s exactly.
 from __future__ import annotations
 
 from densetrain.models.config import ModelConfig
+from densetrain.models.presets._table import presets_from_table
 
 
 def opt_config(
@@ -49,14 +50,9 @@ _TABLE_1 = {
 }
 
 
-def _builder(row: tuple):
-    dim, layers, heads, published = row
-    return lambda: opt_config(
-        dim=dim, num_layers=layers, num_heads=heads, published_params=published
-    )
-
-
-PRESETS = {name: _builder(row) for name, row in _TABLE_1.items()}
+PRESETS = presets_from_table(
+    _TABLE_1, opt_config, ("dim", "num_layers", "num_heads", "published_params")
+)
 PRESETS["opt-350m"] = lambda: opt_config(
     dim=1024,
     num_layers=24,

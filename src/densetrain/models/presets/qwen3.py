@@ -8,6 +8,7 @@ Pre-RMSNorm, GQA with 8 kv heads, head_dim 128 independent of the width, QK-RMSN
 from __future__ import annotations
 
 from densetrain.models.config import ModelConfig
+from densetrain.models.presets._table import presets_from_table
 
 
 def qwen3_config(
@@ -54,12 +55,8 @@ _TABLE = {
 }
 
 
-def _builder(row: tuple):
-    dim, layers, heads, ffn, tied, published = row
-    return lambda: qwen3_config(
-        dim=dim, num_layers=layers, num_heads=heads, ffn_dim=ffn, tie_embeddings=tied,
-        published_params=published,
+PRESETS = presets_from_table(
+    _TABLE, qwen3_config, (
+        "dim", "num_layers", "num_heads", "ffn_dim", "tie_embeddings", "published_params"
     )
-
-
-PRESETS = {name: _builder(row) for name, row in _TABLE.items()}
+)
