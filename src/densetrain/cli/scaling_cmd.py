@@ -34,18 +34,26 @@ def _register_sweep(sub) -> None:
     p.add_argument("--out", required=True, help="sweep directory")
     p.add_argument("--budgets", type=_float_list, default=[1e12, 3e12, 1e13],
                    help="comma-separated FLOP budgets (default 1e12,3e12,1e13)")
-    p.add_argument("--sizes-per-budget", type=int, default=5)
-    p.add_argument("--n-span", type=float, default=16.0, help="largest/smallest N per budget")
-    p.add_argument("--tokens-per-param", type=float, default=20.0, help="centre of the N range")
-    p.add_argument("--param-count", choices=("non_embedding", "total"), default="non_embedding")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=32, help="global batch in sequences")
+    from densetrain.scaling.sweep import SweepConfig
+
+    d = SweepConfig(budgets=[1.0])  # defaults live in one place: the dataclass
+    p.add_argument("--sizes-per-budget", type=int, default=d.sizes_per_budget)
+    p.add_argument("--n-span", type=float, default=d.n_span,
+                   help="largest/smallest N per budget")
+    p.add_argument("--tokens-per-param", type=float, default=d.tokens_per_param,
+                   help="centre of the N range: N = sqrt(C / (6 tokens_per_param))")
+    p.add_argument("--param-count", choices=("non_embedding", "total"), default=d.param_count,
+                   help="what N counts (default: all parameters, as Chinchilla)")
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--batch-size", type=int, default=d.global_batch_size,
+                   help="global batch in sequences")
     p.add_argument("--micro-batch-size", type=int, default=None)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--vocab-size", type=int, default=1024, help="data.default_vocab_size")
-    p.add_argument("--min-steps", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--preset", default="tiny-llama")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size,
+                   help="data.default_vocab_size")
+    p.add_argument("--min-steps", type=int, default=d.min_steps)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--preset", default=d.preset)
     p.add_argument("--launcher", choices=("local", "torchrun", "slurm"), default="local")
     p.add_argument("--nproc-per-node", type=int, default=1)
     p.add_argument("--nnodes", type=int, default=1)

@@ -97,8 +97,16 @@ def _fit_single_point(variable: str, table: ResultsTable) -> tuple[dict[str, flo
             f"Kaplan L({variable}): loss does not fall with {variable} (fitted exponent "
             f"{exponent:.3g} <= 0); L = (x_c/x)^alpha needs alpha > 0"
         )
-    scale = law.coefficient ** (1.0 / exponent)
-    return {"scale": scale, "exponent": exponent}, (x, loss)
+    # scale = coefficient^(1/alpha): in log space, since a nearly flat L (alpha -> 0) puts
+    # it beyond float range, which is a fit that says nothing rather than a number.
+    log_scale = math.log(law.coefficient) / exponent
+    if not log_scale < math.log(np.finfo(float).max):
+        raise FitError(
+            f"Kaplan L({variable}): the fitted exponent {exponent:.3g} is so small that the "
+            f"scale {variable}_c = exp({log_scale:.3g}) is out of range; loss barely depends "
+            f"on {variable} in these runs"
+        )
+    return {"scale": math.exp(log_scale), "exponent": exponent}, (x, loss)
 
 
 def fit_kaplan_single(

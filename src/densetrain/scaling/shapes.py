@@ -5,11 +5,11 @@ SwiGLU feed-forward of about 8/3·dim rounded up to a multiple of 32 (LLaMA §2.
 untied embeddings. Parameter counts come from ``densetrain.models.sizing.param_counts``, the
 single source used by MFU and the planner.
 
-Which N: Kaplan et al. 2020 (§2.1) count non-embedding parameters and find cleaner laws that
-way; Chinchilla counts all parameters. For the tiny models a CPU can sweep, embeddings are most
-of the parameters (vocab 1024 × width 64 × 2 matrices = 131k against ~100k in the blocks), so
-the sweep defaults to non-embedding N (``param_count="non_embedding"``); ``"total"`` is there
-for larger models.
+Which N: Kaplan et al. 2020 (§2.1) count non-embedding parameters; Chinchilla counts all
+parameters. For the tiny models a CPU can sweep, embeddings are most of the parameters (vocab
+1024 × width 64 × 2 matrices = 131k against ~100k in the blocks) and most of the compute, so
+the sweep defaults to total N, for which C = 6·N·D is close to the compute really spent
+(docs/scaling.md); ``param_count="non_embedding"`` gives Kaplan's convention.
 """
 
 from __future__ import annotations

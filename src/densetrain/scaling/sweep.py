@@ -28,9 +28,12 @@ class SweepConfig:
         budgets: FLOP budgets C (C = 6·N·D with N counted as ``param_count``).
         sizes_per_budget: model sizes per budget, log-spaced over ``n_span``.
         n_span: ratio of the largest to the smallest target N of a budget.
-        tokens_per_param: centre of each budget's N range: N = sqrt(C / (6 · tokens_per_param))
-            (Chinchilla's compute-optimal ratio is about 20).
-        param_count: "non_embedding" (Kaplan) or "total" (Chinchilla) parameters as N.
+        tokens_per_param: centre of each budget's N range: N = sqrt(C / (6 · tokens_per_param)).
+            Chinchilla's compute-optimal ratio is about 20 at 1e18-1e24 FLOPs; the CPU sweeps
+            of docs/scaling.md put it near 10 (total N) at 1e11-1e13, hence the default.
+        param_count: "total" (Chinchilla, the default) or "non_embedding" (Kaplan) parameters
+            as N. With total N, C = 6·N·D is close to the compute the runs really spend, so a
+            budget's wall time is predictable; see shapes.py for the trade-off.
         seq_len, global_batch_size, micro_batch_size: batch geometry (sequences of seq_len).
         lr, warmup_fraction: peak learning rate and the share of steps used to warm up; the
             trainer's cosine schedule spans each run (Chinchilla §3: cycle length = run length).
@@ -43,13 +46,13 @@ class SweepConfig:
     """
 
     budgets: list[float]
-    sizes_per_budget: int = 5
+    sizes_per_budget: int = 6
     n_span: float = 16.0
-    tokens_per_param: float = 20.0
-    param_count: str = "non_embedding"
+    tokens_per_param: float = 10.0
+    param_count: str = "total"
     seq_len: int = 128
-    global_batch_size: int = 32
-    micro_batch_size: int = 32
+    global_batch_size: int = 16
+    micro_batch_size: int = 16
     lr: float = 3e-3
     warmup_fraction: float = 0.05
     min_steps: int = 20

@@ -67,3 +67,10 @@ def test_unknown_variable():
     rows = _rows([1e6, 1e7], [1e9], lambda n, d: 3.0)
     with pytest.raises(ValueError, match="variable"):
         fit_kaplan_single("Q", table_from_rows(rows))
+
+
+def test_nearly_flat_loss_is_a_fit_error_not_an_overflow():
+    # L falls by 0.01% over three decades: alpha ~ 1.4e-5 puts N_c = 3^(1/alpha) past 1e308
+    rows = _rows([1e6, 1e7, 1e8, 1e9], [1e9], lambda n, d: 3.0 * (1e6 / n) ** 1.4e-5)
+    with pytest.raises(FitError, match="out of range"):
+        fit_kaplan_single("N", table_from_rows(rows))

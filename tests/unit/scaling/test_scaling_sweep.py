@@ -11,7 +11,8 @@ from densetrain.scaling.shapes import candidate_shapes, nearest_shape
 from densetrain.scaling.sweep import SweepConfig, design_sweep, launch_command, slurm_script
 
 CFG = SweepConfig(budgets=[1e12, 3e12, 1e13], sizes_per_budget=5, seq_len=128,
-                  global_batch_size=32, micro_batch_size=16, vocab_size=1024)
+                  global_batch_size=32, micro_batch_size=16, vocab_size=1024,
+                  param_count="non_embedding", tokens_per_param=20.0)
 
 
 def _non_embedding_on_meta(shape, vocab_size, seq_len):
@@ -44,6 +45,24 @@ def test_design_counts_match_a_built_model():
     points = design_sweep(CFG)
     for p in (points[0], points[-1]):
         assert p.params == _non_embedding_on_meta(p.shape, 1024, 128)
+
+
+def test_default_design_counts_all_parameters():
+    """The default (Chinchilla's total N): counts equal a meta-built model's, and each budget
+    is spent as 6·N·D within one step."""
+    import torch
+
+    from densetrain.models.transformer import Transformer
+
+    cfg = SweepConfig(budgets=[1e12, 3e12, 1e13])
+    points = design_sweep(cfg)
+    assert {p.budget for p in points} == {1e12, 3e12, 1e13}
+    for p in points:
+        with torch.device("meta"):
+            model = Transformer(p.shape.model_config(vocab_size=cfg.vocab_size,
+                                                     max_seq_len=cfg.seq_len))
+        assert p.params == sum(t.numel() for t in model.parameters())
+        assert abs(6 * p.params * p.tokens - p.budget) <= 6 * p.params * cfg.tokens_per_step
 
 
 def test_nearest_shape_is_nearest_by_sizing():

@@ -10,6 +10,7 @@ from densetrain.scaling.sweep import SweepConfig, design_sweep
 @pytest.mark.slow
 def test_tiny_sweep_runs_and_collects(tmp_path):
     cfg = SweepConfig(budgets=[3e9, 1e10], sizes_per_budget=3, n_span=4.0, seq_len=64,
+                      param_count="non_embedding", tokens_per_param=20.0,
                       global_batch_size=8, micro_batch_size=8, min_steps=10, vocab_size=1024,
                       extra_overrides=["--eval.num_batches=2"])
     points = design_sweep(cfg)
