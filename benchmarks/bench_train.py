@@ -4,7 +4,7 @@ Timing: every variant is built in one process and the variants take turns step b
 reversed every round), so that load from other processes on a shared machine hits them alike;
 the report gives median step times. Memory: with ``--rss`` each variant also runs a few steps in
 its own child process, whose peak RSS is then its own. Both sides run the same architecture,
-the same random token batches, AdamW (β2 0.95, weight decay 0.1) and clipping at 1.0:
+the same random token batches, fused AdamW (β2 0.95, weight decay 0.1) and clipping at 1.0:
 
 * densetrain: ``Transformer.compute_loss`` with the chunked output projection + loss, through
   the trainer's own `train_step`; eager or ``torch.compile`` (per block), fp32 or bf16 autocast.
@@ -32,6 +32,7 @@ import torch
 VARIANTS = {
     "densetrain-fp32": ("densetrain", "fp32", False),
     "densetrain-fp32-compile": ("densetrain", "fp32", True),
+    "densetrain-bf16": ("densetrain", "bf16", False),
     "densetrain-bf16-compile": ("densetrain", "bf16", True),
     "hf-fp32": ("hf", "fp32", False),
     "hf-bf16": ("hf", "bf16", False),
@@ -73,7 +74,18 @@ def hf_model(spec: dict) -> torch.nn.Module:
 
 
 def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    """transformers' side: the optimizer its Trainer uses by default with torch >= 2.8
+    (``optim="adamw_torch_fused"``), decay on every parameter."""
+    return torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                             fused=True)
+
+
+def _densetrain_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """densetrain's side: what ``densetrain train`` builds (fused AdamW over decay / no-decay
+    groups)."""
+    from densetrain.optim import OptimConfig, build_optimizer
+
+    return build_optimizer(model, OptimConfig(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1))
 
 
 def _densetrain_step(spec: dict, dtype: str, compile_: bool):
@@ -88,7 +100,7 @@ def _densetrain_step(spec: dict, dtype: str, compile_: bool):
     model.init_weights(seed=0)
     if compile_:
         apply_compile(model)
-    opt = _adamw(model)
+    opt = _densetrain_optimizer(model)
     autocast = autocast_factory(torch.device("cpu"), dtype)
     chunk = 1024
 

@@ -57,6 +57,54 @@ def cross_entropy_loss(
     return LossOutput(loss, ce_loss.detach(), z_loss.detach(), num_tokens)
 
 
+def _chunk_loss_and_grad(
+    logits_CV: torch.Tensor,
+    targets_C: torch.Tensor,
+    valid_C: torch.Tensor,
+    denominator: torch.Tensor,
+    z_loss_coef: float,
+    needs_grad: bool,
+):
+    """Sums of cross-entropy and log²Z over the counted tokens of one chunk, and (when
+    ``needs_grad``) dL/dlogits in ``logits_CV``'s dtype, for the mean loss over
+    ``denominator`` tokens. ``targets_C`` must be valid indices (ignored ones replaced).
+
+    One log-softmax kernel in (at least) fp32 gives log p; lse = logit_t − log p_t (any
+    column would do; the target column is at hand). d/dlogits of lse − logit_t + c·lse² is
+    softmax·(1 + 2c·lse) − onehot(t), each token weighted by its share of the mean.
+    Written for both eager mode and inductor, which fuses it into one pass over the logits
+    (``compiled_chunk_kernel``).
+    """
+    dtype = torch.promote_types(logits_CV.dtype, torch.float32)  # at least fp32
+    logp_CV = torch.log_softmax(logits_CV, dim=-1, dtype=dtype)
+    logp_t_C = logp_CV.gather(1, targets_C.unsqueeze(1)).squeeze(1)
+    lse_C = logits_CV.gather(1, targets_C.unsqueeze(1)).squeeze(1).to(dtype) - logp_t_C
+    ce_sum = (-logp_t_C * valid_C).sum()
+    z_sum = (lse_C.square() * valid_C).sum()
+    if not needs_grad:
+        return ce_sum, z_sum, None
+    weight_C = valid_C.to(dtype) / denominator
+    grad_CV = logp_CV.exp_().mul_((weight_C * (1 + 2 * z_loss_coef * lse_C)).unsqueeze(1))
+    grad_CV.scatter_add_(1, targets_C.unsqueeze(1), -weight_C.unsqueeze(1))
+    return ce_sum, z_sum, grad_CV.to(logits_CV.dtype)
+
+
+_COMPILED_KERNEL = None
+
+
+def compiled_chunk_kernel():
+    """``_chunk_loss_and_grad`` through ``torch.compile`` (built once, on first use).
+
+    Measured on 2 CPU cores, bf16 logits of 1,024 tokens × 50,304 classes: 73-83 ms against
+    148 ms eager (the eager kernel chain reads and writes the fp32 logits several times;
+    inductor does it in one fused loop per row).
+    """
+    global _COMPILED_KERNEL
+    if _COMPILED_KERNEL is None:
+        _COMPILED_KERNEL = torch.compile(_chunk_loss_and_grad, dynamic=False)
+    return _COMPILED_KERNEL
+
+
 def chunked_lm_loss(
     hidden_BSE: torch.Tensor,
     output_weight_PE: torch.Tensor,
@@ -67,8 +115,12 @@ def chunked_lm_loss(
     ignore_index: int = -100,
     z_loss_coef: float = 0.0,
     output_bias_P: torch.Tensor | None = None,
+    compiled: bool = False,
 ) -> LossOutput:
     """Output projection + ``cross_entropy_loss``, ``chunk_size`` tokens at a time.
+
+    ``compiled`` runs the per-chunk softmax / loss / gradient through ``torch.compile``
+    (``compiled_chunk_kernel``); the projections are matmuls either way.
 
     Equals ``cross_entropy_loss(F.linear(hidden, weight, bias)[..., :vocab_size], targets)`` in
     value and gradients (hidden, weight, bias) but peaks at [chunk_size, P] logits. Rows of
@@ -90,8 +142,10 @@ def chunked_lm_loss(
         or weight_VE.requires_grad
         or (bias_V is not None and bias_V.requires_grad)
     )
+    kernel = compiled_chunk_kernel() if compiled else _chunk_loss_and_grad
     loss, ce_loss, z_loss, num_tokens = _ChunkedLMLoss.apply(
-        hidden_NE, weight_VE, bias_V, targets_N, chunk_size, ignore_index, z_loss_coef, needs_grad
+        hidden_NE, weight_VE, bias_V, targets_N, chunk_size, ignore_index, z_loss_coef, needs_grad,
+        kernel,
     )
     return LossOutput(loss, ce_loss.detach(), z_loss.detach(), num_tokens)
 
@@ -110,6 +164,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         ignore_index,
         z_loss_coef,
         needs_grad,
+        kernel,
     ):
         valid_N = targets_N != ignore_index
         num_tokens = valid_N.sum()
@@ -117,37 +172,47 @@ class _ChunkedLMLoss(torch.autograd.Function):
         ce_sum = torch.zeros((), dtype=torch.float32, device=hidden_NE.device)
         z_sum = torch.zeros((), dtype=torch.float32, device=hidden_NE.device)
         grad_hidden_NE = torch.empty_like(hidden_NE) if needs_grad else None
-        grad_weight_VE = torch.zeros_like(weight_VE, dtype=torch.float32) if needs_grad else None
+        accumulate = torch.promote_types(weight_VE.dtype, torch.float32)
+        grad_weight_VE = torch.zeros_like(weight_VE, dtype=accumulate) if needs_grad else None
         grad_bias_V = (
-            torch.zeros(weight_VE.shape[0], dtype=torch.float32, device=hidden_NE.device)
+            torch.zeros(weight_VE.shape[0], dtype=accumulate, device=hidden_NE.device)
             if needs_grad and bias_V is not None
             else None
         )
-        for start in range(0, hidden_NE.shape[0], chunk_size):
-            h_CE = hidden_NE[start : start + chunk_size]
-            t_C = targets_N[start : start + chunk_size]
-            v_C = valid_N[start : start + chunk_size]
-            logits_CV = F.linear(h_CE, weight_VE, bias_V).float()
-            safe_t_C = torch.where(v_C, t_C, torch.zeros_like(t_C))
-            target_logit_C = logits_CV.gather(1, safe_t_C.unsqueeze(1)).squeeze(1)
-            # One exp pass gives both log Z and the softmax: exp(x - max), summed and normalised.
-            max_C = logits_CV.amax(dim=-1)
-            probs_CV = torch.exp(logits_CV.sub_(max_C.unsqueeze(1)))
-            sum_C = probs_CV.sum(dim=-1)
-            lse_C = sum_C.log() + max_C
-            ce_sum += ((lse_C - target_logit_C) * v_C).sum()
-            z_sum += (lse_C.square() * v_C).sum()
-            if not needs_grad:
-                continue
-            # d/dlogits of sum(lse - logit_t) + c·sum(lse²): softmax·(1 + 2c·lse) - onehot(t).
-            weight_C = v_C.float() / denominator  # each counted token's share of the mean
-            probs_CV.mul_((weight_C * (1 + 2 * z_loss_coef * lse_C) / sum_C).unsqueeze(1))
-            probs_CV.scatter_add_(1, safe_t_C.unsqueeze(1), -weight_C.unsqueeze(1))
-            grad_logits_CV = probs_CV.to(h_CE.dtype)
-            grad_hidden_NE[start : start + chunk_size] = grad_logits_CV @ weight_VE
-            grad_weight_VE.addmm_(grad_logits_CV.t().float(), h_CE.float())
-            if grad_bias_V is not None:
-                grad_bias_V += grad_logits_CV.float().sum(0)
+        # The matmuls run in one compute dtype: the autocast dtype when autocast is on (bf16
+        # on CPU/CUDA), else the hidden states' dtype. Autocast itself is switched off here:
+        # it would re-cast the (non-leaf, so uncached) weight for every chunk and every
+        # matmul, and it never applies to the in-place addmm_, which would then run the
+        # weight-gradient matmul in fp32 — a third of this layer's FLOPs.
+        device_type = hidden_NE.device.type
+        compute = (
+            torch.get_autocast_dtype(device_type)
+            if torch.is_autocast_enabled(device_type)
+            else hidden_NE.dtype
+        )
+        with torch.autocast(device_type, enabled=False):
+            w_VE = weight_VE.to(compute)
+            b_V = bias_V.to(compute) if bias_V is not None else None
+            for start in range(0, hidden_NE.shape[0], chunk_size):
+                h_CE = hidden_NE[start : start + chunk_size].to(compute)
+                t_C = targets_N[start : start + chunk_size]
+                v_C = valid_N[start : start + chunk_size]
+                logits_CV = F.linear(h_CE, w_VE, b_V)
+                safe_t_C = torch.where(v_C, t_C, torch.zeros_like(t_C))
+                ce_C, z_C, grad_logits_CV = kernel(
+                    logits_CV, safe_t_C, v_C, denominator, z_loss_coef, needs_grad
+                )
+                ce_sum += ce_C
+                z_sum += z_C
+                if not needs_grad:
+                    continue
+                grad_hidden_NE[start : start + chunk_size] = grad_logits_CV @ w_VE
+                if compute == accumulate:
+                    grad_weight_VE.addmm_(grad_logits_CV.t(), h_CE)
+                else:  # low-precision matmul, fp32 accumulation across chunks
+                    grad_weight_VE.add_(grad_logits_CV.t() @ h_CE)
+                if grad_bias_V is not None:
+                    grad_bias_V += grad_logits_CV.to(accumulate).sum(0)
         ce_loss = ce_sum / denominator
         z_loss = z_loss_coef * z_sum / denominator
         if needs_grad:
@@ -165,4 +230,4 @@ class _ChunkedLMLoss(torch.autograd.Function):
         grad_bias = None
         if grad_bias_V is not None:
             grad_bias = (grad_bias_V * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None

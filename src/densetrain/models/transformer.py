@@ -112,6 +112,9 @@ class Transformer(nn.Module):
                 config.embed_dim, config.padded_vocab_size, bias=config.lm_head_bias
             )
         self._output_seed_name = "output.weight"
+        # compute_loss runs its per-chunk softmax/loss kernel through torch.compile when True
+        # (set by densetrain.parallel.compile.apply_compile with training.compile).
+        self.compile_loss_kernel = False
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -272,6 +275,7 @@ class Transformer(nn.Module):
             ignore_index=cfg.ignore_index,
             z_loss_coef=cfg.z_loss_coef,
             output_bias_P=self.output.bias,
+            compiled=self.compile_loss_kernel,
         )
 
     def untie_for_pipeline(self) -> None:

@@ -9,7 +9,10 @@ from torch import nn
 
 
 def apply_compile(model: nn.Module) -> nn.Module:
-    """Compile each block of ``model.layers`` in place and return ``model``."""
+    """Compile each block of ``model.layers`` in place and return ``model``; a model with a
+    chunked loss (``compile_loss_kernel``) also gets its per-chunk loss kernel compiled."""
     for name, block in list(model.layers.items()):
         model.layers[name] = torch.compile(block, fullgraph=False)
+    if hasattr(model, "compile_loss_kernel"):
+        model.compile_loss_kernel = True
     return model

@@ -98,3 +98,58 @@ def test_chunked_without_grad_and_bad_chunk_size():
         chunked_lm_loss(hidden, weight, targets, vocab_size=10, chunk_size=0)
     with pytest.raises(ValueError, match="vocab_size"):
         chunked_lm_loss(hidden, weight, targets, vocab_size=11, chunk_size=4)
+
+
+def test_chunked_under_bf16_autocast_runs_its_matmuls_in_bf16():
+    """Under autocast the three matmuls of every chunk (logits, grad of hidden, grad of weight)
+    run in bf16 and the gradients match autocast's own linear + cross-entropy."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MatmulDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm,
+                                       torch.ops.aten.addmm_):
+                self.seen.append({a.dtype for a in args if isinstance(a, torch.Tensor)})
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(2)
+    vocab, width = 96, 32
+    hidden = torch.randn(2, 40, width, requires_grad=True)
+    weight = torch.randn(vocab, width, requires_grad=True)
+    targets = torch.randint(0, vocab, (2, 40))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = cross_entropy_loss(F.linear(hidden, weight), targets)
+    ref_grads = torch.autograd.grad(reference.loss, [hidden, weight])
+    mode = MatmulDtypes()
+    with torch.autocast("cpu", dtype=torch.bfloat16), mode:
+        chunked = chunked_lm_loss(hidden, weight, targets, vocab_size=vocab, chunk_size=32)
+    grads = torch.autograd.grad(chunked.loss, [hidden, weight])
+    assert len(mode.seen) == 3 * 3  # 80 tokens in chunks of 32: three chunks, three matmuls
+    assert all(dtypes == {torch.bfloat16} for dtypes in mode.seen), mode.seen
+    torch.testing.assert_close(chunked.loss, reference.loss, rtol=1e-3, atol=1e-3)
+    assert grads[0].dtype == torch.float32 and grads[1].dtype == torch.float32
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_compiled_chunk_kernel_equals_eager(autocast):
+    """The torch.compile'd per-chunk kernel gives the eager kernel's loss and gradients."""
+    torch.manual_seed(3)
+    vocab, width = 64, 16
+    hidden = torch.randn(2, 24, width, requires_grad=True)
+    weight = torch.randn(vocab, width, requires_grad=True)
+    targets = torch.randint(0, vocab, (2, 24))
+    targets[1, :5] = -100
+    results = []
+    for compiled in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = chunked_lm_loss(hidden, weight, targets, vocab_size=vocab, chunk_size=16,
+                                  z_loss_coef=1e-3, compiled=compiled)
+        results.append((out.loss, *torch.autograd.grad(out.loss, [hidden, weight])))
+    for eager, fused in zip(*results, strict=True):
+        torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-6)
