@@ -9,6 +9,7 @@ naming ``section.field``, the bad value and what is allowed.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ class TrainingConfig:
         seed: seed of weight initialisation and of every other random choice of the trainer.
         dtype: ``fp32``, or ``bf16`` (bf16 autocast with fp32 master weights and optimizer state).
         device: ``auto`` (first GPU, else CPU), ``cpu``, ``cuda``, ``cuda:N`` or ``mps``.
-        compile: apply ``torch.compile`` to each block.
+        compile: apply ``torch.compile`` to each block and to the chunked loss kernel.
         loss_chunk_size: positions per chunk of the output projection + cross-entropy; 0 = the
             full logits at once.
         nan_policy: on a non-finite loss ``stop`` the run naming the step, or ``skip`` the step.
@@ -126,6 +127,9 @@ class LoggingConfig:
         tensorboard: also write TensorBoard events (when tensorboard is installed).
         progress: show a progress bar.
         plot: write a loss-curve PNG at the end of the run.
+        peak_tflops: peak TFLOP/s of one device that MFU divides by; 0 takes it from the
+            accelerator table (GPU) or a matmul probe at start (CPU). A fixed figure keeps MFU
+            comparable across runs on a shared machine, where the probe varies with load.
     """
 
     run_dir: str = "runs/default"
@@ -133,12 +137,18 @@ class LoggingConfig:
     tensorboard: bool = True
     progress: bool = True
     plot: bool = True
+    peak_tflops: float = 0.0
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming ``logging.<field>`` when a value is out of range."""
         if not self.run_dir:
             raise ValueError("logging.run_dir must be a non-empty directory path")
         _int_at_least("logging.log_interval", self.log_interval, 1)
+        if not (math.isfinite(self.peak_tflops) and self.peak_tflops >= 0):
+            raise ValueError(
+                f"logging.peak_tflops must be a finite number >= 0 (0 = measure or look up), "
+                f"got {self.peak_tflops}"
+            )
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -210,7 +210,10 @@ def build_run(job: Any) -> RunState:
     optimizer = _build_optimizer(model, dims, mesh, job)
     run_dir = Path(job.logging.run_dir)
     counts = param_counts(model_cfg)
-    peak, peak_source = device_peak_flops(device, job.training.dtype)
+    if job.logging.peak_tflops > 0:
+        peak, peak_source = job.logging.peak_tflops * 1e12, "logging.peak_tflops"
+    else:
+        peak, peak_source = device_peak_flops(device, job.training.dtype)
     config_toml = job_config_to_toml(job)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)

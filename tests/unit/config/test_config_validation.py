@@ -39,6 +39,7 @@ def _job(*overrides: str) -> JobConfig:
      r"batch_ramp_increment=6 must be a multiple of .* = 4"),
     (["--schedule.name=rsqrt", "--schedule.warmup_steps=0"], r"rsqrt' needs schedule.warmup"),
     (["--optim.name=sgd", "--optim.fused=true"], r"optim.fused=true is only available"),
+    (["--logging.peak_tflops=-1"], r"logging.peak_tflops must be a finite number >= 0"),
 ])
 def test_bad_values_fail_with_clear_errors(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -109,10 +109,15 @@ def test_cli_train_runs_with_overrides(make_job, tiny_overrides, capsys, tmp_pat
     job = make_job(run="cli")
     argv = ["train", *tiny_overrides, f"--data.cache_dir={job.data.cache_dir}",
             f"--logging.run_dir={tmp_path / 'cli'}", "--training.steps=3", "--eval.interval=0",
-            "--checkpoint.enabled=false", "--logging.plot=false"]
+            "--checkpoint.enabled=false", "--logging.plot=false", "--logging.peak_tflops=2.5"]
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["steps"] == 3 and summary["tokens"] == 3 * 8 * 32
+    # a pinned peak replaces the probe: MFU = achieved model FLOP/s over 2.5 TFLOP/s
+    assert summary["peak_flops_source"] == "logging.peak_tflops"
+    assert summary["peak_flops_per_device"] == 2.5e12
+    assert summary["mfu"] == pytest.approx(
+        summary["tokens_per_s"] * summary["flops_per_token"] / 2.5e12)
     assert (tmp_path / "cli" / "summary.json").exists()
 
 
