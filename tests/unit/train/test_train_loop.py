@@ -157,3 +157,23 @@ def test_bf16_autocast_tracks_fp32_with_fp32_master_weights(make_job) -> None:
     low = [r["loss"] for r in read_metrics(bf16.logging.run_dir)]
     assert low != ref  # bf16 matmuls really ran
     assert low == pytest.approx(ref, abs=2e-2)
+
+
+class _CaptureLossKernelFlag(Callback):
+    def on_train_start(self, run) -> None:
+        self.compiled = run.inner_model.compile_loss_kernel
+
+
+@pytest.mark.slow
+def test_bf16_compile_runs_the_compiled_loss_kernel_and_tracks_fp32(make_job) -> None:
+    quiet = ["--training.steps=2", "--schedule.warmup_steps=1", "--eval.interval=0",
+             "--eval.sample_tokens=0", "--checkpoint.enabled=false", "--logging.plot=false"]
+    fp32 = make_job(*quiet, run="fp32c")
+    fast = make_job(*quiet, "--training.dtype=bf16", "--training.compile=true", run="bf16c")
+    flag = _CaptureLossKernelFlag()
+    train(fp32)
+    train(fast, callbacks=[flag])
+    assert flag.compiled
+    ref = [r["loss"] for r in read_metrics(fp32.logging.run_dir)]
+    low = [r["loss"] for r in read_metrics(fast.logging.run_dir)]
+    assert low == pytest.approx(ref, abs=2e-2)
