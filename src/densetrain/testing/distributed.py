@@ -9,10 +9,12 @@ killed after ``timeout`` seconds and named in the error.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -49,6 +51,9 @@ def _worker(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(threads)
+    # A rank still running shortly before the parent gives up prints every thread's Python
+    # stack to stderr, so a hang in CI shows where each rank waits.
+    faulthandler.dump_traceback_later(max(pg_timeout_s - 10.0, 1.0), exit=False)
     result_path = Path(out_dir) / f"rank{rank}.pkl"
     try:
         dist.init_process_group(
@@ -92,11 +97,12 @@ def run_distributed(
             join=False,
             start_method="spawn",
         )
+        deadline = time.monotonic() + timeout
         try:
-            finished = ctx.join(timeout=timeout)
-            while not finished:
-                finished = ctx.join(timeout=timeout)
-                if not finished:
+            # join() returns after any one rank exits; keep joining the rest until all have
+            # exited or ``timeout`` (counted from the spawn) has passed.
+            while not ctx.join(timeout=max(deadline - time.monotonic(), 0.0)):
+                if time.monotonic() >= deadline:
                     break
         except mp.ProcessRaisedException as e:  # pragma: no cover - worker catches everything
             raise DistributedTestError(str(e)) from None
