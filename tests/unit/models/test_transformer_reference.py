@@ -151,6 +151,13 @@ def _cases():
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 16,
     }
+    opt_hf = dict(**base, ffn_dim=128, num_attention_heads=4, max_position_embeddings=32)
+    opt_dt = dict(
+        vocab_size=VOCAB, dim=DIM, num_layers=LAYERS, num_heads=4, ffn_dim=128, max_seq_len=32,
+        learned_pos_offset=2, norm_type="layernorm", norm_bias=True,
+        position_embedding="learned", activation="relu", qkv_bias=True, attn_out_bias=True,
+        mlp_bias=True, tie_embeddings=True,
+    )
     return {
         "llama-gqa-llama3-rope": (
             lambda: t.LlamaForCausalLM(
@@ -302,68 +309,16 @@ def _cases():
         ),
         "opt-relu-offset": (
             lambda: t.OPTForCausalLM(
-                t.OPTConfig(
-                    vocab_size=VOCAB,
-                    hidden_size=DIM,
-                    num_hidden_layers=LAYERS,
-                    ffn_dim=128,
-                    num_attention_heads=4,
-                    max_position_embeddings=32,
-                    word_embed_proj_dim=DIM,
-                )
+                t.OPTConfig(**opt_hf, word_embed_proj_dim=DIM)
             ),
-            ModelConfig(
-                vocab_size=VOCAB,
-                dim=DIM,
-                num_layers=LAYERS,
-                num_heads=4,
-                ffn_dim=128,
-                max_seq_len=32,
-                learned_pos_offset=2,
-                norm_type="layernorm",
-                norm_bias=True,
-                position_embedding="learned",
-                activation="relu",
-                qkv_bias=True,
-                attn_out_bias=True,
-                mlp_bias=True,
-                tie_embeddings=True,
-            ),
+            ModelConfig(**opt_dt),
             _opt,
         ),
         "opt-350m-post-norm-projections": (
             lambda: t.OPTForCausalLM(
-                t.OPTConfig(
-                    vocab_size=VOCAB,
-                    hidden_size=DIM,
-                    num_hidden_layers=LAYERS,
-                    ffn_dim=128,
-                    num_attention_heads=4,
-                    max_position_embeddings=32,
-                    word_embed_proj_dim=32,
-                    do_layer_norm_before=False,
-                )
+                t.OPTConfig(**opt_hf, word_embed_proj_dim=32, do_layer_norm_before=False)
             ),
-            ModelConfig(
-                vocab_size=VOCAB,
-                dim=DIM,
-                embed_dim=32,
-                num_layers=LAYERS,
-                num_heads=4,
-                ffn_dim=128,
-                max_seq_len=32,
-                learned_pos_offset=2,
-                norm_type="layernorm",
-                norm_bias=True,
-                norm_position="post",
-                final_norm=False,
-                position_embedding="learned",
-                activation="relu",
-                qkv_bias=True,
-                attn_out_bias=True,
-                mlp_bias=True,
-                tie_embeddings=True,
-            ),
+            ModelConfig(**opt_dt, embed_dim=32, norm_position="post", final_norm=False),
             _opt,
         ),
         "phi-parallel-shared-norm-head-bias": (

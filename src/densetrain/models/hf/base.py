@@ -31,6 +31,19 @@ HF_ACTIVATIONS = {
 DT_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
 
 
+def layernorm_mha_fields(cfg: ModelConfig) -> dict[str, object]:
+    """The ``required_fields`` shared by the LayerNorm families (GPT-2, OPT, BLOOM, GPT-NeoX,
+    phi): LayerNorm with bias, full-width multi-head queries, no QK-norm, no sliding window."""
+    return {
+        "norm_type": "layernorm",
+        "norm_bias": True,
+        "head_dim": cfg.dim // cfg.num_heads,
+        "q_dim": cfg.dim,
+        "qk_norm": False,
+        "sliding_window": None,
+    }
+
+
 @dataclass(frozen=True)
 class Pair:
     """One tensor that is a plain rename (optionally transposed) between the two layouts."""

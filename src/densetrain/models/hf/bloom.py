@@ -12,6 +12,7 @@ from densetrain.models.hf.base import (
     Pair,
     Tensors,
     layer_prefixes,
+    layernorm_mha_fields,
     linear_pairs,
     norm_pairs,
 )
@@ -55,20 +56,15 @@ class BloomAdapter(HFAdapter):
     def required_fields(self, cfg: ModelConfig) -> dict[str, object]:
         """BLOOM fixes everything but the sizes and tying."""
         return {
-            "norm_type": "layernorm",
-            "norm_bias": True,
+            **layernorm_mha_fields(cfg),
             "embedding_norm": True,
             "position_embedding": "alibi",
             "num_kv_heads": cfg.num_heads,
-            "head_dim": cfg.dim // cfg.num_heads,
-            "q_dim": cfg.dim,
             "ffn_dim": 4 * cfg.dim,
             "qkv_bias": True,
             "attn_out_bias": True,
             "mlp_bias": True,
             "activation": "gelu_tanh",
-            "qk_norm": False,
-            "sliding_window": None,
             "block_type": "sequential",
             "norm_position": "pre",
             "final_norm": True,

@@ -17,6 +17,7 @@ from densetrain.models.hf.base import (
     activation_from_hf,
     activation_to_hf,
     layer_prefixes,
+    layernorm_mha_fields,
     linear_pairs,
     norm_pairs,
 )
@@ -61,18 +62,13 @@ class GPT2Adapter(HFAdapter):
     def required_fields(self, cfg: ModelConfig) -> dict[str, object]:
         """GPT-2 fixes everything but the sizes, activation and tying."""
         return {
-            "norm_type": "layernorm",
-            "norm_bias": True,
+            **layernorm_mha_fields(cfg),
             "position_embedding": "learned",
             "learned_pos_offset": 0,
             "num_kv_heads": cfg.num_heads,
-            "head_dim": cfg.dim // cfg.num_heads,
-            "q_dim": cfg.dim,
             "qkv_bias": True,
             "attn_out_bias": True,
             "mlp_bias": True,
-            "qk_norm": False,
-            "sliding_window": None,
             "block_type": "sequential",
             "norm_position": "pre",
             "embedding_norm": False,

@@ -16,6 +16,7 @@ from densetrain.models.hf.base import (
     activation_to_hf,
     fuse_heads,
     layer_prefixes,
+    layernorm_mha_fields,
     linear_pairs,
     norm_pairs,
     rope_from_hf,
@@ -65,17 +66,12 @@ class NeoXAdapter(HFAdapter):
     def required_fields(self, cfg: ModelConfig) -> dict[str, object]:
         """GPT-NeoX fixes norms, biases and multi-head attention at dim / num_heads."""
         return {
-            "norm_type": "layernorm",
-            "norm_bias": True,
+            **layernorm_mha_fields(cfg),
             "position_embedding": "rope",
             "rope_scaling": None,
             "num_kv_heads": cfg.num_heads,
-            "head_dim": cfg.dim // cfg.num_heads,
-            "q_dim": cfg.dim,
             "attn_out_bias": cfg.qkv_bias,
             "mlp_bias": True,
-            "qk_norm": False,
-            "sliding_window": None,
             "parallel_shared_norm": False,
             "norm_position": "pre",
             "embedding_norm": False,

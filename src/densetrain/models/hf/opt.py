@@ -15,6 +15,7 @@ from densetrain.models.hf.base import (
     activation_from_hf,
     activation_to_hf,
     layer_prefixes,
+    layernorm_mha_fields,
     linear_pairs,
     norm_pairs,
 )
@@ -64,18 +65,13 @@ class OPTAdapter(HFAdapter):
     def required_fields(self, cfg: ModelConfig) -> dict[str, object]:
         """OPT fixes norms, positions, one bias switch and multi-head attention."""
         return {
-            "norm_type": "layernorm",
+            **layernorm_mha_fields(cfg),
             "norm_eps": 1e-5,
-            "norm_bias": True,
             "position_embedding": "learned",
             "learned_pos_offset": OPT_POSITION_OFFSET,
             "num_kv_heads": cfg.num_heads,
-            "head_dim": cfg.dim // cfg.num_heads,
-            "q_dim": cfg.dim,
             "attn_out_bias": cfg.qkv_bias,
             "mlp_bias": cfg.qkv_bias,
-            "qk_norm": False,
-            "sliding_window": None,
             "block_type": "sequential",
             "embedding_norm": False,
             "lm_head_bias": False,

@@ -13,6 +13,7 @@ from densetrain.models.hf.base import (
     activation_from_hf,
     activation_to_hf,
     layer_prefixes,
+    layernorm_mha_fields,
     linear_pairs,
     norm_pairs,
     rope_from_hf,
@@ -60,17 +61,12 @@ class PhiAdapter(HFAdapter):
     def required_fields(self, cfg: ModelConfig) -> dict[str, object]:
         """phi fixes the block, norms and biases."""
         return {
-            "norm_type": "layernorm",
-            "norm_bias": True,
+            **layernorm_mha_fields(cfg),
             "position_embedding": "rope",
             "rope_scaling": None,
-            "head_dim": cfg.dim // cfg.num_heads,
-            "q_dim": cfg.dim,
             "qkv_bias": True,
             "attn_out_bias": True,
             "mlp_bias": True,
-            "qk_norm": False,
-            "sliding_window": None,
             "block_type": "parallel",
             "parallel_shared_norm": True,
             "embedding_norm": False,
