@@ -21,7 +21,6 @@ from densetrain.checkpoint.manager import (
 )
 from densetrain.checkpoint.state import (
     ModelState,
-    OptimizerState,
     RNGState,
     TrainerCounters,
     capture_rng_state,
@@ -33,7 +32,6 @@ __all__ = [
     "CheckpointShapeError",
     "ModelState",
     "NonFiniteStateError",
-    "OptimizerState",
     "RNGState",
     "TrainerCounters",
     "capture_rng_state",
