@@ -108,3 +108,43 @@ def test_nan_loss_skip_policy_skips_the_update() -> None:
 def test_split_rejects_indivisible_micro_batch() -> None:
     with pytest.raises(ValueError, match="micro_batch_size=3"):
         split_micro_batches(_batch(), 3)
+
+
+def test_the_step_makes_exactly_one_host_sync(monkeypatch) -> None:
+    """Every place densetrain's own code turns a tensor into a Python value (on a GPU a host
+    sync) during a step of a real model with micro-batches, the chunked head and clipping: one,
+    the finiteness check. Calls from torch's own code (the optimizer's CPU step counters) are
+    not densetrain's and are not counted."""
+    import sys
+
+    from densetrain.models import ModelConfig, Transformer
+    from densetrain.parallel.model import model_loss_fn
+
+    calls: list[str] = []
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def wrapper(self, *args, **kwargs):
+            caller = sys._getframe(1)
+            if "densetrain" in caller.f_code.co_filename.replace("\\", "/").split("/"):
+                calls.append(f"{name} at {caller.f_code.co_filename}:{caller.f_lineno}")
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    cfg = ModelConfig(vocab_size=97, dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      ffn_dim=64, max_seq_len=16)
+    model = Transformer(cfg)
+    model.init_weights(seed=0)
+    tokens = torch.randint(0, 97, (4, 17), generator=torch.Generator().manual_seed(0))
+    batch = _Batch(inputs=tokens[:, :-1], targets=tokens[:, 1:])
+    opt = StandardOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    laid_out = LaidOutModel(module=model, loss_fn=model_loss_fn(8))
+    for name in ("__bool__", "__int__", "__float__", "item", "tolist", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    out = train_step(laid_out, opt, batch, micro_batch_size=2, grad_clip=1.0,
+                     autocast=contextlib.nullcontext, nan_policy="stop", step=1)
+    monkeypatch.undo()
+    assert len(calls) == 1, calls
+    assert "step.py" in calls[0] and not out.skipped
