@@ -13,10 +13,10 @@ import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from densetrain.data.stream import Batch
 from densetrain.optim.interface import TrainingOptimizer
 from densetrain.parallel.model import LaidOutModel, split_micro_batches
 
@@ -46,7 +46,7 @@ class StepOutput:
 def train_step(
     model: LaidOutModel,
     optimizer: TrainingOptimizer,
-    batch: Any,
+    batch: Batch,
     *,
     micro_batch_size: int,
     grad_clip: float,

@@ -33,6 +33,7 @@ from typing import Any
 from densetrain.checkpoint import latest_checkpoint, load_checkpoint
 from densetrain.config.job import JobConfig
 from densetrain.optim.interface import layout_of_saved_keys
+from densetrain.parallel.distributed import collective_step
 from densetrain.train.callbacks import Callback, Checkpointer, LossPlot, MetricsLogger, Sampler
 from densetrain.train.evaluation import Evaluator
 from densetrain.train.state import Progress, RunParts, StepReport
@@ -96,11 +97,13 @@ class RunLoop:
         start = time.perf_counter()
         global_batch = parts.batch_schedule.batch_size_at(progress.step)
         batch = parts.model.prepare_batch(parts.data.train.next_batch(global_batch), parts.device)
-        output = train_step(
-            parts.model, parts.optimizer, batch, micro_batch_size=parts.training.micro_batch_size,
-            grad_clip=parts.grad_clip, autocast=parts.autocast,
-            nan_policy=parts.training.nan_policy, step=progress.step + 1,
-        )
+        with collective_step(progress.step + 1):  # a failed collective names rank and step
+            output = train_step(
+                parts.model, parts.optimizer, batch,
+                micro_batch_size=parts.training.micro_batch_size, grad_clip=parts.grad_clip,
+                autocast=parts.autocast, nan_policy=parts.training.nan_policy,
+                step=progress.step + 1,
+            )
         lr = float(parts.optimizer.param_groups[0]["lr"])
         parts.scheduler.step()
         tokens = global_batch * parts.seq_len
