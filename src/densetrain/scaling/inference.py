@@ -46,6 +46,18 @@ class CostModel:
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"CostModel.{name} must be a finite number > 0, got {value!r}")
 
+    @classmethod
+    def from_config(cls, cfg, seq_len: int) -> CostModel:
+        """Coefficients of one model shape from ``models.sizing``: PaLM's training FLOPs per
+        token (6N + 12·L·H·Q·T, attention and the output layer included) over its total
+        parameter count, and a third of that for inference (the forward pass). Both scale by
+        the same factor, so the optimal (N, D) is that of 6/2; the FLOPs are the shape's."""
+        from densetrain.models.sizing import flops_per_token_palm, param_counts
+
+        per_param = flops_per_token_palm(cfg, seq_len) / param_counts(cfg).total
+        return cls(train_flops_per_param_token=per_param,
+                   inference_flops_per_param_token=per_param / 3.0)
+
 
 @dataclass(frozen=True, kw_only=True)
 class InferenceAwareAllocation:

@@ -186,3 +186,21 @@ def test_optimum_outside_the_bracket_is_an_error_not_an_answer():
         min_cost_for_loss(CHINCHILLA_PRINTED, 1000.0, 1e9)
     with pytest.raises(ValueError, match="cannot train even one parameter"):
         min_loss_for_budget(CHINCHILLA_PRINTED, 5.0, 1e12)
+
+
+def test_cost_model_from_a_config_uses_the_exact_flops_per_token():
+    from densetrain.models.presets import get_preset
+    from densetrain.models.sizing import flops_per_token_palm, param_counts
+
+    cfg = get_preset("llama3-8b")
+    cost = CostModel.from_config(cfg, 8192)
+    exact = flops_per_token_palm(cfg, 8192)
+    assert cost.train_flops_per_param_token * param_counts(cfg).total == pytest.approx(exact)
+    assert cost.inference_flops_per_param_token == pytest.approx(
+        cost.train_flops_per_param_token / 3)
+    # Attention at 8K makes each token dearer than 6N: the same loss costs more in total.
+    plain = min_cost_for_loss(CHINCHILLA_PRINTED, 2.1, 1e13)
+    exact_cost = min_cost_for_loss(CHINCHILLA_PRINTED, 2.1, 1e13, cost)
+    assert exact_cost.total_flops > plain.total_flops
+    # Training and inference scale by the same factor: the optimum itself does not move.
+    assert exact_cost.num_params == pytest.approx(plain.num_params, rel=1e-9)
