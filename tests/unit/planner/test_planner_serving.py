@@ -146,6 +146,11 @@ def test_model_info_serve(capsys):
                  "--serve-devices", "8", "--batch", "16", "--context", "4096"]) == 0
     out = capsys.readouterr().out
     assert "8 x h100-80gb" in out and "KV cache/sequence" in out and "largest batch" in out
+    assert main(["model-info", "mistral-7b", "--serve", "--context", "32768", "--json"]) == 0
+    import json
+
+    serving = json.loads(capsys.readouterr().out)["serving"]
+    assert serving["kv_slots_per_sequence"] == 4096 and serving["cluster"] == "h100-80gb"
     assert main(["model-info", "llama3-405b", "--serve"]) == 0
     assert "not reachable" in capsys.readouterr().out
     assert main(["model-info", "llama3-8b", "--serve", "--cluster", "nope"]) == 2
