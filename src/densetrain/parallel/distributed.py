@@ -94,14 +94,27 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
+# gloo reports timeouts and lost peers as plain RuntimeErrors raised from its C++ sources; c10d's
+# own errors are DistError subclasses. Other RuntimeErrors of a step (a shape bug, an op on mixed
+# tensor kinds) must keep their own message.
+_BACKEND_MARKERS = ("gloo", "nccl", "NCCL", "Timed out", "Connection closed", "Connection reset")
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """True when ``err`` is a failed or timed-out collective (not a bug in the step's own code)."""
+    if isinstance(err, dist.DistError):
+        return True
+    return isinstance(err, RuntimeError) and any(m in str(err) for m in _BACKEND_MARKERS)
+
+
 @contextmanager
 def collective_step(step: int) -> Iterator[None]:
     """Re-raise a failed or timed-out collective inside the block as `CollectiveError` naming
     this rank and ``step`` (the original error is chained)."""
     try:
         yield
-    except (RuntimeError, dist.DistError) as err:
-        if isinstance(err, CollectiveError):
+    except RuntimeError as err:
+        if isinstance(err, CollectiveError) or not is_collective_failure(err):
             raise
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1

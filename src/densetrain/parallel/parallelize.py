@@ -97,7 +97,29 @@ def build_optimizer(
 
         return ZeroOptimizer(groups, optimizer_factory, group=pmesh.group("dp_shard"),
                              stage=cfg.zero_stage)
+    groups = split_by_tensor_kind(groups)
     return StandardOptimizer(module, optimizer_factory(groups), norm_group=pmesh.group("pp"))
+
+
+def split_by_tensor_kind(param_groups: list) -> list:
+    """Each param group split in two when it mixes DTensor and plain parameters (tensor parallel
+    without sequence parallel leaves the norm weights plain): torch's foreach optimizer kernels
+    refuse a list that mixes them. Group options are kept; an unmixed group is unchanged."""
+    from torch.distributed.tensor import DTensor
+
+    groups = param_groups
+    if groups and isinstance(groups[0], torch.Tensor):
+        groups = [{"params": list(groups)}]
+    out = []
+    for group in groups:
+        params = list(group["params"])
+        sharded = [p for p in params if isinstance(p, DTensor)]
+        plain = [p for p in params if not isinstance(p, DTensor)]
+        if sharded and plain:
+            out.extend([{**group, "params": sharded}, {**group, "params": plain}])
+        else:
+            out.append({**group, "params": params})
+    return out
 
 
 @torch.no_grad()
