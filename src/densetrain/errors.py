@@ -34,6 +34,16 @@ USER_ERROR_TYPES: tuple[type[BaseException], ...] = (
 )
 
 
+def unwrap_error(error: BaseException) -> BaseException:
+    """The first rank's original exception inside a DCP ``CheckpointException`` (which derives
+    from ``BaseException`` and prints tracebacks in its message), else ``error`` itself."""
+    failures = getattr(error, "failures", None)
+    if type(error).__name__ == "CheckpointException" and isinstance(failures, dict) and failures:
+        wrapped = next(iter(failures.values()))
+        return wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    return error
+
+
 def describe_error(error: BaseException) -> str:
     """The one-line message printed for ``error`` (disk-full and read-only disks named as such)."""
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):

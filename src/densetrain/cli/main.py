@@ -60,7 +60,7 @@ def report_error(error: BaseException, command: str, *, debug: bool) -> int:
     from densetrain.errors import USER_ERROR_TYPES, describe_error
 
     if debug:
-        traceback.print_exception(error)
+        traceback.print_exception(type(error), error, error.__traceback__)
     user_error = isinstance(error, USER_ERROR_TYPES)
     message = describe_error(error)
     if not user_error:
@@ -91,8 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"densetrain {_command_name(args)}: interrupted", file=sys.stderr)
         return 130
-    except Exception as error:  # the one boundary where every command's errors are reported
-        return report_error(error, _command_name(args), debug=debug)
+    except SystemExit:
+        raise
+    except BaseException as error:  # the one boundary where every command's errors are reported
+        from densetrain.errors import unwrap_error
+
+        return report_error(unwrap_error(error), _command_name(args), debug=debug)
 
 
 if __name__ == "__main__":

@@ -113,7 +113,10 @@ def load_metadata(root: str | os.PathLike) -> dict:
     if not meta_path.is_file():
         interrupted = (root / "progress.json").exists()
         hint = " (an interrupted prepare: rerun it to finish)" if interrupted else ""
-        raise FileNotFoundError(f"{root} is not a complete prepared dataset: no {META_FILE}{hint}")
+        raise FileNotFoundError(
+            f"{root} is not a complete prepared dataset: no {META_FILE}{hint}; give a directory "
+            "written by `densetrain data prepare`"
+        )
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:

@@ -10,7 +10,6 @@ are lossless (renames, transposes and reshapes only).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ from densetrain.models.hf.bloom import BloomAdapter
 from densetrain.models.hf.files import (
     DEFAULT_MAX_SHARD_BYTES,
     checkpoint_files,
+    read_json,
     read_tensors,
     tensor_shapes,
     write_directory_atomically,
@@ -118,7 +118,7 @@ def load_hf(path: str | Path, *, dtype: torch.dtype | None = None) -> Transforme
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{directory} has no config.json; expected a Hugging Face checkpoint")
-    hf_config = json.loads(config_path.read_text())
+    hf_config = read_json(config_path)
     adapter = _adapter_for_config(hf_config)
     cfg = adapter.config_from_hf(hf_config)
     files = checkpoint_files(directory)
