@@ -90,9 +90,11 @@ def unpickle_dcp_metadata(path: str | os.PathLike) -> Metadata:
         except UnsafeFileError:
             raise
         except Exception as error:  # pickle raises many types on garbage input
+            detail = ascii(str(error))[1:-1]
+            detail = detail if len(detail) <= 80 else detail[:80] + "..."
             raise DamagedFileError(
                 f"{path} cannot be read as checkpoint metadata ({type(error).__name__}: "
-                f"{error}); the file is truncated or damaged"
+                f"{detail}); the file is truncated or damaged"
             ) from error
     if not isinstance(metadata, Metadata):
         raise DamagedFileError(f"{path} holds a {type(metadata).__name__}, not DCP Metadata")

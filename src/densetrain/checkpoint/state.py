@@ -134,6 +134,11 @@ def capture_rng_state() -> torch.Tensor:
 
 def restore_rng_state(state: torch.Tensor) -> None:
     """Restore the generators captured by `capture_rng_state`."""
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+        raise ValueError(
+            f"RNG state is a {type(state).__name__}, expected a uint8 tensor: the checkpoint was "
+            "written by an older densetrain or another program; it is not unpickled"
+        )
     raw = state.detach().cpu().contiguous().numpy().tobytes()
     if len(raw) != RNG_LAYOUT.itemsize:
         raise ValueError(f"RNG state of {len(raw)} bytes, expected {RNG_LAYOUT.itemsize}")

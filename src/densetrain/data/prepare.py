@@ -247,10 +247,16 @@ class _Preparer:
             text_separator=self.cfg.text_separator,
             stats=self.read_stats,
         )
+        bar = _progress_bar(progress, sum(s["bytes"] for s in self.state["sources"]))
+        try:  # the bar ends its line even when reading fails, so the error starts a new one
+            return self._stream(itertools.islice(documents, skip, None), max_shards, bar)
+        finally:
+            bar.close()
+
+    def _stream(self, documents, max_shards: int, bar) -> bool:
         batch: list[str] = []
         batch_bytes = 0
-        bar = _progress_bar(progress, sum(s["bytes"] for s in self.state["sources"]))
-        for text in itertools.islice(documents, skip, None):
+        for text in documents:
             batch.append(text)
             batch_bytes += len(text)
             if batch_bytes < self.cfg.batch_bytes:
@@ -261,13 +267,11 @@ class _Preparer:
             if self.buffers["train"].num_tokens >= self.cfg.shard_tokens:
                 self.commit()
                 if max_shards and self.state["commits"] >= max_shards:
-                    bar.close()
                     return False
         if batch:
             self.process_batch(batch)
             bar.update(batch_bytes)
         self.commit()
-        bar.close()
         return True
 
     def metadata(self) -> dict:

@@ -194,6 +194,9 @@ def write_directory_atomically(
             shutil.rmtree(old)
         else:
             os.replace(tmp, target)
+    except OSError as error:  # a full disk: nothing half-written, the target named
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(error.errno, error.strerror, str(target)) from error
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -63,7 +63,13 @@ def get_adapter(model_type: str) -> HFAdapter:
 
 
 def _adapter_for_config(hf_config: dict) -> HFAdapter:
-    adapter = get_adapter(hf_config.get("model_type", "<missing>"))
+    if "model_type" not in hf_config:
+        raise ValueError(
+            "config.json has no 'model_type', so it is not a Hugging Face config (a densetrain "
+            "model directory is read with load_model / `densetrain convert --to-hf`); "
+            f"supported model types: {list(SUPPORTED_MODEL_TYPES)}"
+        )
+    adapter = get_adapter(hf_config["model_type"])
     architectures = hf_config.get("architectures") or [adapter.architecture]
     unsupported = [a for a in architectures if a != adapter.architecture]
     if unsupported:
