@@ -156,6 +156,7 @@ def safe_dcp_load(state_dict: dict[str, Any], checkpoint: str | os.PathLike) -> 
     from torch.distributed.checkpoint.api import CheckpointException
 
     no_dist = not (dist.is_available() and dist.is_initialized())
+    read_dcp_metadata(checkpoint)  # its own errors first (DCP folds them into an assertion)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to")

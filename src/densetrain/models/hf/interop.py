@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
 from densetrain.models.hf.base import HFAdapter, Tensors
 from densetrain.models.hf.bloom import BloomAdapter
@@ -126,7 +127,11 @@ def load_hf(path: str | Path, *, dtype: torch.dtype | None = None) -> Transforme
         raise ValueError(f"{directory} has no config.json; expected a Hugging Face checkpoint")
     hf_config = read_json(config_path)
     adapter = _adapter_for_config(hf_config)
-    cfg = adapter.config_from_hf(hf_config)
+    try:
+        cfg = adapter.config_from_hf(hf_config)
+    except KeyError as error:
+        raise UserError(f"{config_path} has no field {error} that a {adapter.model_type!r} "
+                        "config needs") from error
     files = checkpoint_files(directory)
     expected = {k: tuple(v.shape) for k, v in adapter.dt_to_hf(meta_state_dict(cfg), cfg).items()}
     expected_names = set(expected)
