@@ -33,8 +33,12 @@ def _emit(args: argparse.Namespace, record: dict, lines: list[str]) -> None:
         path = Path(args.output)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError as error:  # e.g. a full disk: no half-written file left, the path named
+            tmp.unlink(missing_ok=True)
+            raise OSError(error.errno, error.strerror, str(path)) from error
     print(json.dumps(record, indent=2) if args.json else "\n".join(lines))
 
 

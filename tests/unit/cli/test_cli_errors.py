@@ -87,6 +87,11 @@ def _model_dirs(root: Path, tok) -> None:
         model.layers["0"].mlp.w_up.weight[3, 2] = float("nan")
     save_model(model, root / "native_nan")
     shutil.copyfile(tok.path, root / "native_nan" / "tokenizer.json")
+    with torch.no_grad():  # finite weights whose logits overflow float32
+        model.layers["0"].mlp.w_up.weight[3, 2] = 0.0
+        model.output.weight.fill_(3e38)
+    save_model(model, root / "native_overflow")
+    shutil.copyfile(tok.path, root / "native_overflow" / "tokenizer.json")
     (root / "native_badjson").mkdir()
     (root / "native_badjson" / "config.json").write_text('{"dim": 64,\n  "num_layers": }\n')
 
@@ -170,6 +175,8 @@ CASES = [
     ("convert-out-not-empty", "convert --from-hf {ws}/native --out {ws}/raw", []),
     ("eval-nan", "eval perplexity {ws}/native_nan --text {ws}/raw/d000.txt",
      ["layers.0.mlp.w_up.weight", "NaN"]),
+    ("eval-non-finite-loss", "eval perplexity {ws}/native_overflow --text {ws}/raw/d000.txt",
+     ["native_overflow", "non-finite", "--dtype"]),
     ("eval-missing-text", "eval perplexity {ws}/native --text {ws}/none.txt", ["none.txt"]),
     ("generate-truncated-shard", "generate {ws}/ckpt_trunc --prompt x",
      ["ckpt_trunc", "truncated or damaged"]),
