@@ -9,14 +9,14 @@ build the template, reads into it in place, then calls ``load_state_dict()``.
   wrapper prefixes (``_orig_mod.`` from `torch.compile`, activation-checkpoint wrappers), so a
   checkpoint is layout-independent. Optimizers are Stateful themselves
   (``densetrain.optim.interface.TrainingOptimizer``).
-* `RNGState` keeps one entry per rank (torch CPU and CUDA generators, NumPy, Python `random`),
-  pickled to bytes because the generator states are opaque and differ in size between builds.
+* `RNGState` keeps one entry per rank (torch CPU and CUDA generators, NumPy, Python `random`)
+  as one fixed-layout ``uint8`` tensor (`RNG_LAYOUT`), never a pickle: loading a checkpoint
+  from elsewhere cannot run code through it.
 * `TrainerCounters` holds the step and token counters.
 """
 
 from __future__ import annotations
 
-import pickle
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -46,30 +46,85 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def capture_rng_state() -> bytes:
-    """Pickle every random generator a training step can touch on this process."""
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
+# One rank's generators in a fixed binary layout (NumPy structured dtype, little-endian):
+# torch's CPU Mersenne Twister state (5056 bytes in every build since torch 1.x), Python's
+# `random` (version, 624 words + position, the cached Gaussian), NumPy's legacy global
+# RandomState (624 words, position, the cached Gaussian) and the current CUDA device's state
+# (16 bytes: seed and offset of its Philox generator), with a byte count (0 without CUDA).
+_TORCH_STATE_BYTES = 5056
+_CUDA_STATE_MAX_BYTES = 64
+RNG_LAYOUT = np.dtype(
+    [
+        ("layout_version", "<i8"),
+        ("torch", "u1", (_TORCH_STATE_BYTES,)),
+        ("python_version", "<i8"),
+        ("python_state", "<i8", (625,)),
+        ("python_has_gauss", "<i8"),
+        ("python_gauss", "<f8"),
+        ("numpy_keys", "<u4", (624,)),
+        ("numpy_pos", "<i8"),
+        ("numpy_has_gauss", "<i8"),
+        ("numpy_gauss", "<f8"),
+        ("cuda_bytes", "<i8"),
+        ("cuda", "u1", (_CUDA_STATE_MAX_BYTES,)),
+    ]
+)
+_RNG_LAYOUT_VERSION = 1
+
+
+def capture_rng_state() -> torch.Tensor:
+    """Every random generator a training step can touch on this process, as a ``uint8`` tensor
+    of `RNG_LAYOUT` (plain data, no pickle)."""
+    record = np.zeros((), dtype=RNG_LAYOUT)
+    record["layout_version"] = _RNG_LAYOUT_VERSION
+    torch_state = torch.get_rng_state().numpy()
+    if torch_state.size != _TORCH_STATE_BYTES:
+        raise RuntimeError(f"torch CPU generator state is {torch_state.size} bytes, expected "
+                           f"{_TORCH_STATE_BYTES}")
+    record["torch"] = torch_state
+    py_version, py_state, py_gauss = random.getstate()
+    record["python_version"] = py_version
+    record["python_state"] = py_state
+    record["python_has_gauss"] = py_gauss is not None
+    record["python_gauss"] = py_gauss or 0.0
+    _, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    record["numpy_keys"], record["numpy_pos"] = keys, pos
+    record["numpy_has_gauss"], record["numpy_gauss"] = has_gauss, gauss
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return pickle.dumps(state)
+        cuda_state = torch.cuda.get_rng_state().numpy()
+        if cuda_state.size > _CUDA_STATE_MAX_BYTES:
+            raise RuntimeError(f"CUDA generator state of {cuda_state.size} bytes does not fit "
+                               f"{_CUDA_STATE_MAX_BYTES}")
+        record["cuda_bytes"] = cuda_state.size
+        record["cuda"][: cuda_state.size] = cuda_state
+    return torch.from_numpy(np.frombuffer(record.tobytes(), dtype=np.uint8).copy())
 
 
-def restore_rng_state(blob: bytes) -> None:
+def restore_rng_state(state: torch.Tensor) -> None:
     """Restore the generators captured by `capture_rng_state`."""
-    state = pickle.loads(blob)  # noqa: S301 - our own checkpoint, written by capture_rng_state
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        cuda_states = state["cuda"]
-        if len(cuda_states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda_states)
-        else:
-            torch.cuda.set_rng_state(cuda_states[0])
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+        raise ValueError(
+            f"RNG state is a {type(state).__name__}, expected a uint8 tensor: the checkpoint was "
+            "written by an older densetrain or another program; it is not unpickled"
+        )
+    raw = state.detach().cpu().contiguous().numpy().tobytes()
+    if len(raw) != RNG_LAYOUT.itemsize:
+        raise ValueError(f"RNG state of {len(raw)} bytes, expected {RNG_LAYOUT.itemsize}")
+    record = np.frombuffer(raw, dtype=RNG_LAYOUT)[0]
+    if int(record["layout_version"]) != _RNG_LAYOUT_VERSION:
+        raise ValueError(f"RNG state layout version {int(record['layout_version'])}, expected "
+                         f"{_RNG_LAYOUT_VERSION}")
+    torch.set_rng_state(torch.from_numpy(record["torch"].copy()))
+    py_gauss = float(record["python_gauss"]) if record["python_has_gauss"] else None
+    python_state = tuple(int(v) for v in record["python_state"])
+    random.setstate((int(record["python_version"]), python_state, py_gauss))
+    np.random.set_state(
+        ("MT19937", record["numpy_keys"].copy(), int(record["numpy_pos"]),
+         int(record["numpy_has_gauss"]), float(record["numpy_gauss"]))
+    )
+    cuda_bytes = int(record["cuda_bytes"])
+    if cuda_bytes and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.from_numpy(record["cuda"][:cuda_bytes].copy()))
 
 
 class RNGState:
@@ -89,7 +144,7 @@ class RNGState:
         return "rank0"
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"rank<r>": pickled generator states}`` for this process."""
+        """``{"rank<r>": generator states as a uint8 tensor}`` for this process."""
         return {self._key(): capture_rng_state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -1,9 +1,11 @@
-"""Sub-commands of `densetrain data`: train-tokenizer, prepare, inspect (see cli/main.py)."""
+"""Sub-commands of `densetrain data`: train-tokenizer, prepare, inspect, verify (cli/main.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+
+from densetrain.errors import UserError
 
 
 def _train_tokenizer(args: argparse.Namespace) -> int:
@@ -21,7 +23,10 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
     )
     special = tuple(t.strip() for t in args.special_tokens.split(","))
     if len(special) != 3 or not all(special):
-        raise SystemExit("--special-tokens needs three comma-separated names: BOS,EOS,PAD")
+        raise UserError(
+            f"--special-tokens {args.special_tokens!r}: give three comma-separated names, "
+            "BOS,EOS,PAD (e.g. '<|bos|>,<|eos|>,<|pad|>')"
+        )
     tokenizer = train_tokenizer(
         documents,
         args.output,
@@ -80,6 +85,16 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from densetrain.data.shards import verify_dataset
+
+    report = verify_dataset(args.path)
+    rate = report["bytes"] / max(report["seconds"], 1e-9) / 1e6
+    print(f"{args.path}: {report['shards']} shards, {report['bytes']:,} bytes verified in "
+          f"{report['seconds']:.2f} s ({rate:.0f} MB/s); tokenizer matches")
+    return 0
+
+
 def _add_reading_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", help="text files, directories, globs, JSONL, Parquet")
     parser.add_argument("--text-field", default="text", help="JSONL field / Parquet column")
@@ -117,7 +132,7 @@ def _register_prepare(data_sub: argparse._SubParsersAction) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `densetrain data {train-tokenizer,prepare,inspect}`."""
+    """Add `densetrain data {train-tokenizer,prepare,inspect,verify}`."""
     data = subparsers.add_parser("data", help="tokenizers and dataset preparation")
     data_sub = data.add_subparsers(dest="data_command", metavar="DATA_COMMAND")
 
@@ -143,3 +158,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     insp.add_argument("--sample-tokens", type=int, default=200)
     insp.add_argument("--json", action="store_true", help="print JSON")
     insp.set_defaults(func=_inspect)
+
+    verify = data_sub.add_parser(
+        "verify", help="hash every shard against the checksums in meta.json (full check)"
+    )
+    verify.add_argument("path", help="prepared dataset directory")
+    verify.set_defaults(func=_verify)

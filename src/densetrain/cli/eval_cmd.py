@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import sys
 from pathlib import Path
+
+from densetrain.errors import UserError
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -31,8 +33,12 @@ def _emit(args: argparse.Namespace, record: dict, lines: list[str]) -> None:
         path = Path(args.output)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError as error:  # e.g. a full disk: no half-written file left, the path named
+            tmp.unlink(missing_ok=True)
+            raise OSError(error.errno, error.strerror, str(path)) from error
     print(json.dumps(record, indent=2) if args.json else "\n".join(lines))
 
 
@@ -40,7 +46,7 @@ def _perplexity(args: argparse.Namespace) -> int:
     from densetrain.eval.perplexity import PerplexityConfig, dataset_perplexity, file_perplexity
 
     if bool(args.text) == bool(args.dataset):
-        raise ValueError("give exactly one of --text PATH... or --dataset DIR")
+        raise UserError("give exactly one of --text PATH... or --dataset DIR")
     model, tokenizer = _load(args)
     cfg = PerplexityConfig(
         seq_len=args.seq_len, stride=args.stride, batch_size=args.batch_size,
@@ -52,6 +58,11 @@ def _perplexity(args: argparse.Namespace) -> int:
     else:
         result = dataset_perplexity(model, args.dataset, cfg, split=args.split, tokenizer=tokenizer)
         source = {"dataset": args.dataset, "split": args.split}
+    if not math.isfinite(result.loss):
+        raise UserError(
+            f"{args.model}: the loss is {result.loss} (non-finite); the model's outputs overflow "
+            f"or are not numbers{' in ' + args.dtype if args.dtype else ''}: try --dtype float32"
+        )
     record = {"model": str(args.model), **source, **result.as_dict()}
     lines = [
         f"{args.model}: {result.documents} documents, {result.tokens:,} tokens, "
@@ -132,18 +143,6 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _guarded(func):
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return func(args)
-        except (ValueError, FileNotFoundError, ImportError) as error:
-            name = " ".join(filter(None, (args.command, getattr(args, "eval_command", None))))
-            print(f"densetrain {name}: error: {error}", file=sys.stderr)
-            return 2
-
-    return run
-
-
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model dir, Hugging Face dir, or training checkpoint/run")
     parser.add_argument("--tokenizer", help="tokenizer.json / .model (default: beside MODEL)")
@@ -179,7 +178,7 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     ppl.add_argument("--seq-len", type=int, default=0, help="window; 0 = model max_seq_len")
     ppl.add_argument("--stride", type=int, default=0, help="new tokens per window; 0 = seq-len")
     ppl.add_argument("--max-documents", type=int, default=0, help="0 = all")
-    ppl.set_defaults(func=_guarded(_perplexity))
+    ppl.set_defaults(func=_perplexity)
 
     tasks = ev_sub.add_parser("tasks", help="multiple-choice few-shot accuracy")
     _add_model_args(tasks)
@@ -192,7 +191,7 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     tasks.add_argument("--limit", type=int, default=0, help="first N examples; 0 = all")
     tasks.add_argument("--log-samples", action="store_true",
                        help="include per-example log-likelihoods in the JSON")
-    tasks.set_defaults(func=_guarded(_tasks))
+    tasks.set_defaults(func=_tasks)
 
     harness = ev_sub.add_parser("harness", help="EleutherAI lm-evaluation-harness tasks")
     _add_model_args(harness)
@@ -200,7 +199,7 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     harness.add_argument("--tasks", required=True, help="comma-separated harness task names")
     harness.add_argument("--shots", type=int, default=None, help="num_fewshot")
     harness.add_argument("--limit", type=int, default=0, help="examples per task; 0 = all")
-    harness.set_defaults(func=_guarded(_harness))
+    harness.set_defaults(func=_harness)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -216,4 +215,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--seed", type=int, default=0, help="seed of the sampler")
     gen.add_argument("--num-samples", type=int, default=1, help="completions of the prompt")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
-    gen.set_defaults(func=_guarded(_generate))
+    gen.set_defaults(func=_generate)

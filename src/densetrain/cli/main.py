@@ -4,6 +4,12 @@ Every module listed in ``_COMMAND_MODULES`` exposes ``register(subparsers)``, wh
 sub-commands and sets ``func`` (a callable taking the parsed ``argparse.Namespace`` and returning
 an exit code) on each sub-parser. Heavy imports happen inside the command functions so that
 ``densetrain --help`` stays fast.
+
+Errors: `main` is the one place where a command's exceptions are caught. An error about the
+input (``densetrain.errors.USER_ERROR_TYPES``: ``ValueError``/``UserError``, ``OSError``, ...)
+prints one line ``densetrain <command>: error: <message>`` and exits 2; any other exception
+prints one line naming its type and exits 1. ``--debug`` (anywhere on the command line) prints
+the traceback instead.
 """
 
 from __future__ import annotations
@@ -11,6 +17,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
+
+DEBUG_FLAG = "--debug"
+EXIT_USER_ERROR = 2
+EXIT_INTERNAL_ERROR = 1
 
 _COMMAND_MODULES = (
     "densetrain.cli.train_cmd",  # train
@@ -28,14 +39,43 @@ def build_parser() -> argparse.ArgumentParser:
         prog="densetrain",
         description="Pretrain dense decoder-only language models, from one CPU to many GPUs.",
     )
+    parser.add_argument(
+        DEBUG_FLAG, action="store_true", help="show the full traceback of an error (anywhere)"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser
 
 
+def _command_name(args: argparse.Namespace) -> str:
+    """``data prepare``, ``eval perplexity``, ``train``: the words naming the command run."""
+    words = [getattr(args, "command", None)]
+    words += [getattr(args, f"{words[0]}_command", None)] if words[0] else []
+    return " ".join(w for w in words if w) or "densetrain"
+
+
+def report_error(error: BaseException, command: str, *, debug: bool) -> int:
+    """Print ``error`` for the user (one line, or the traceback with ``debug``); the exit code."""
+    from densetrain.errors import USER_ERROR_TYPES, describe_error
+
+    if debug:
+        traceback.print_exception(type(error), error, error.__traceback__)
+    user_error = isinstance(error, USER_ERROR_TYPES)
+    message = describe_error(error)
+    if not user_error:
+        message = f"internal error {type(error).__name__}: {message}"
+        if not debug:
+            message += f" (rerun with {DEBUG_FLAG} for the traceback)"
+    print(f"densetrain {command}: error: {message}", file=sys.stderr, flush=True)
+    return EXIT_USER_ERROR if user_error else EXIT_INTERNAL_ERROR
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``densetrain`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = DEBUG_FLAG in argv
+    argv = [a for a in argv if a != DEBUG_FLAG]
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if not getattr(args, "func", None):
@@ -45,7 +85,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "accepts_extra", False):
         args.extra = extra
-    return int(args.func(args) or 0)
+    args.debug = debug
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"densetrain {_command_name(args)}: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit:
+        raise
+    except BaseException as error:  # the one boundary where every command's errors are reported
+        from densetrain.errors import unwrap_error
+
+        return report_error(unwrap_error(error), _command_name(args), debug=debug)
 
 
 if __name__ == "__main__":

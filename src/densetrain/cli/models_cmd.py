@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -32,24 +31,20 @@ def _convert(args: argparse.Namespace) -> int:
 
     dtype = _torch_dtype(args.dtype)
     shard_bytes = int(args.max_shard_gb * 10**9)
-    try:
-        if args.from_hf:
-            model = load_hf(args.from_hf, dtype=dtype)
-            save_model(model, args.out, max_shard_bytes=shard_bytes, overwrite=args.overwrite)
-            source = args.from_hf
-        else:
-            model = load_model(args.to_hf, dtype=dtype)
-            save_hf(
-                model,
-                args.out,
-                hf_family=args.family,
-                max_shard_bytes=shard_bytes,
-                overwrite=args.overwrite,
-            )
-            source = args.to_hf
-    except (ValueError, FileExistsError) as error:
-        print(f"densetrain convert: error: {error}", file=sys.stderr)
-        return 2
+    if args.from_hf:
+        model = load_hf(args.from_hf, dtype=dtype)  # refuses damaged files and NaN/inf weights
+        save_model(model, args.out, max_shard_bytes=shard_bytes, overwrite=args.overwrite)
+        source = args.from_hf
+    else:
+        model = load_model(args.to_hf, dtype=dtype)
+        save_hf(
+            model,
+            args.out,
+            hf_family=args.family,
+            max_shard_bytes=shard_bytes,
+            overwrite=args.overwrite,
+        )
+        source = args.to_hf
     params = sum(p.numel() for p in model.parameters())
     print(f"converted {source} -> {args.out} ({params:,} parameters)")
     return 0
@@ -87,29 +82,22 @@ def _config_from_path(path_str: str):
 
     from densetrain.models import ModelConfig
     from densetrain.models.hf import config_from_hf
+    from densetrain.models.hf.files import read_json
 
     config_path = Path(path_str) / "config.json"
     if not config_path.is_file():
         return None
-    data = json.loads(config_path.read_text())
+    data = read_json(config_path)
     return config_from_hf(data) if "model_type" in data else ModelConfig.from_dict(data)
 
 
 def _model_info(args: argparse.Namespace) -> int:
-    try:
-        info = model_info(args.preset, seq_len=args.seq_len, kv_bytes=args.kv_bytes)
-    except ValueError as error:
-        print(f"densetrain model-info: error: {error}", file=sys.stderr)
-        return 2
+    info = model_info(args.preset, seq_len=args.seq_len, kv_bytes=args.kv_bytes)
     serving_rows: list[tuple] = []
     if args.serve:
         from densetrain.cli.serving_args import serving_info
 
-        try:
-            info["serving"], serving_rows = serving_info(args, info["config"])
-        except ValueError as error:
-            print(f"densetrain model-info: error: {error}", file=sys.stderr)
-            return 2
+        info["serving"], serving_rows = serving_info(args, info["config"])
     if args.json:
         print(json.dumps(info, indent=2))
         return 0

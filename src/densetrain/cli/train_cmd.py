@@ -34,29 +34,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_train, accepts_extra=True)
 
 
+def check_job_inputs(job) -> None:
+    """Refuse, before any work, a job whose inputs cannot work: a missing or damaged dataset,
+    a ``run_dir`` (or ``checkpoint.dir``) that is a file or cannot be written, a tokenizer whose
+    vocabulary exceeds the model's."""
+    from densetrain.config.run_dir import check_writable_dir
+    from densetrain.data.checks import check_tokenizer_fits_model, data_vocabulary
+
+    check_writable_dir(job.logging.run_dir, field_name="logging.run_dir")
+    if job.checkpoint.enabled and job.checkpoint.dir:
+        check_writable_dir(job.checkpoint.dir, field_name="checkpoint.dir")
+    vocab = data_vocabulary(job.data)
+    check_tokenizer_fits_model(vocab, job.build_model_config(vocab.vocab_size).vocab_size)
+
+
 def run_train(args: argparse.Namespace) -> int:
-    """Load the job config with the overrides, train, print the summary."""
+    """Load the job config with the overrides, check its inputs, train, print the summary.
+
+    Errors of the input are raised to the one handler in ``cli/main.py``; a run stopped by a
+    non-finite loss exits 3.
+    """
     from densetrain.config import job_config_to_toml, load_job_config
 
     overrides = list(getattr(args, "extra", []) or [])
-    try:
-        job = load_job_config(args.config, overrides)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"densetrain train: {err}", file=sys.stderr)
-        return 2
+    job = load_job_config(args.config, overrides)
     if args.print_config:
         print(job_config_to_toml(job))
         return 0
+    check_job_inputs(job)
     from densetrain.train import NonFiniteLossError, train
 
     try:
         summary = train(job)
     except NonFiniteLossError as err:
-        print(f"densetrain train: {err}", file=sys.stderr)
+        print(f"densetrain train: error: {err}", file=sys.stderr)
         return 3
-    except ValueError as err:
-        print(f"densetrain train: {err}", file=sys.stderr)
-        return 2
     if os.environ.get("RANK", "0") == "0":  # torchrun's global rank; the process group is gone
         printable = {k: v for k, v in summary.items() if k != "sample"}
         print(json.dumps(printable, indent=2))

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from densetrain.data.prepare import PrepareConfig, prepare_dataset
-from densetrain.data.shards import META_FILE
+from densetrain.data.shards import FORMAT, META_FILE
 from densetrain.data.sources import ReadStats, decode_utf8
 from densetrain.data.tokenizer import train_tokenizer
 
@@ -61,7 +61,9 @@ def ensure_default_corpus(
 ) -> Path:
     """Directory of the prepared default corpus, preparing it (and its tokenizer) if needed."""
     version = f"py{sys.version_info.major}{sys.version_info.minor}"
-    name = f"stdlib-{version}-v{vocab_size}-f{max_files or 'all'}-val{val_fraction:g}"
+    # The shard format is part of the name: a cache written by an older format is not reused.
+    tag = FORMAT.rsplit("-", 1)[-1]
+    name = f"stdlib-{version}-v{vocab_size}-f{max_files or 'all'}-val{val_fraction:g}-{tag}"
     cache = default_cache_dir(cache_dir)
     out = cache / name
     if (out / META_FILE).is_file():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import itertools
 import json
 import os
@@ -27,12 +28,14 @@ from densetrain.data.filters import QualityConfig, quality_reason
 from densetrain.data.shards import (
     FORMAT,
     META_FILE,
+    atomic_write_bytes,
     atomic_write_json,
     dtype_for_vocab,
     write_shard,
 )
 from densetrain.data.sources import ReadStats, describe_sources, expand_inputs, iter_documents
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer
+from densetrain.errors import UserError
 
 PROGRESS_FILE = "progress.json"
 
@@ -144,9 +147,10 @@ class _Preparer:
             saved = json.loads(path.read_text())
             for key in ("settings_hash", "tokenizer_fingerprint", "sources"):
                 if saved[key] != self.state[key]:
-                    raise ValueError(
+                    raise UserError(
                         f"{self.out} holds an interrupted prepare with a different {key}; "
-                        "rerun with the same inputs and settings, or pass overwrite=True"
+                        "rerun with the same inputs and settings, or start again with "
+                        "--overwrite (overwrite=True in Python)"
                     )
             self.state = saved
             self._restore_dedup()
@@ -224,10 +228,9 @@ class _Preparer:
         )
         name = f"dedup/{index:05d}.npz"
         (self.out / "dedup").mkdir(exist_ok=True)
-        tmp = self.out / (name + ".tmp")
-        with open(tmp, "wb") as f:
-            np.savez(f, exact=exact, minhash=near)
-        os.replace(tmp, self.out / name)
+        buffer = io.BytesIO()
+        np.savez(buffer, exact=exact, minhash=near)
+        atomic_write_bytes(self.out / name, buffer.getvalue())
         self.state["dedup_files"].append(name)
         if self.exact is not None:
             self.exact.new_hashes.clear()
@@ -244,10 +247,16 @@ class _Preparer:
             text_separator=self.cfg.text_separator,
             stats=self.read_stats,
         )
+        bar = _progress_bar(progress, sum(s["bytes"] for s in self.state["sources"]))
+        try:  # the bar ends its line even when reading fails, so the error starts a new one
+            return self._stream(itertools.islice(documents, skip, None), max_shards, bar)
+        finally:
+            bar.close()
+
+    def _stream(self, documents, max_shards: int, bar) -> bool:
         batch: list[str] = []
         batch_bytes = 0
-        bar = _progress_bar(progress, sum(s["bytes"] for s in self.state["sources"]))
-        for text in itertools.islice(documents, skip, None):
+        for text in documents:
             batch.append(text)
             batch_bytes += len(text)
             if batch_bytes < self.cfg.batch_bytes:
@@ -258,13 +267,11 @@ class _Preparer:
             if self.buffers["train"].num_tokens >= self.cfg.shard_tokens:
                 self.commit()
                 if max_shards and self.state["commits"] >= max_shards:
-                    bar.close()
                     return False
         if batch:
             self.process_batch(batch)
             bar.update(batch_bytes)
         self.commit()
-        bar.close()
         return True
 
     def metadata(self) -> dict:
@@ -330,6 +337,25 @@ def _copy_tokenizer(tok: Tokenizer, destination: Path) -> None:
             os.replace(str(dst) + ".tmp", dst)
 
 
+def _check_not_empty(inputs: list[str], read: ReadStats, meta: dict) -> None:
+    """``UserError`` when the inputs gave no tokens, saying what was skipped or removed."""
+    skipped = []
+    if read.skipped_binary_files:
+        skipped.append(f"{read.skipped_binary_files} binary files skipped")
+    if read.skipped_lines:
+        skipped.append(f"{read.skipped_lines} bad lines skipped")
+    detail = f" ({', '.join(skipped)})" if skipped else ""
+    if read.documents == 0:
+        raise UserError(f"inputs {inputs} contain no documents{detail}; give text, JSONL or "
+                        "Parquet files with some text in them")
+    if sum(s["num_tokens"] for s in meta["splits"].values()) == 0:
+        removed = meta["counts"]["removed"]
+        raise UserError(
+            f"no document of {inputs} survived filtering{detail}: removed {removed} (an input "
+            "of empty documents, or filters that reject all of it)"
+        )
+
+
 def prepare_dataset(
     inputs: list[str],
     output_dir: str | os.PathLike,
@@ -350,7 +376,10 @@ def prepare_dataset(
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     out = Path(output_dir)
     if (out / META_FILE).exists() and not overwrite:
-        raise FileExistsError(f"{out} is already a prepared dataset; pass overwrite=True")
+        raise FileExistsError(
+            f"{out} is already a prepared dataset; choose another --output or replace it with "
+            "--overwrite (overwrite=True in Python)"
+        )
     if overwrite and out.exists():
         shutil.rmtree(out)
     files = expand_inputs(list(inputs))
@@ -365,10 +394,7 @@ def prepare_dataset(
     if not preparer.run(max_shards, progress):
         return None
     meta = preparer.metadata()
-    if preparer.read_stats.documents == 0:
-        raise ValueError(f"inputs {list(inputs)} contain no documents")
-    if sum(s["num_tokens"] for s in meta["splits"].values()) == 0:
-        raise ValueError(f"no document of {list(inputs)} survived filtering: {meta['counts']}")
+    _check_not_empty(list(inputs), preparer.read_stats, meta)
     _copy_tokenizer(tok, out / meta["tokenizer"]["file"])
     atomic_write_json(out / META_FILE, meta)
     return meta

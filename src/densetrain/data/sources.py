@@ -2,7 +2,8 @@
 
 Documents are streamed one at a time (flat memory). Bytes that are not valid UTF-8 are replaced
 with U+FFFD and counted; malformed JSONL lines either fail with file and line number or are
-skipped and counted (``on_bad_line``).
+skipped and counted (``on_bad_line``). A text input whose content is binary (an image, an
+archive, a compiled file, whatever its name) is skipped and counted, judged by its first bytes.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import glob
 import gzip
 import hashlib
 import io
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -19,10 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from densetrain.errors import UserError
+
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 _PARQUET_SUFFIXES = (".parquet",)
 _COMPRESSION_SUFFIXES = (".gz", ".zst")
 _READ_BLOCK = 1 << 20
+_SNIFF_BYTES = 8000
+# Control characters that do not occur in text (tab, newline, form feed, CR and ESC do).
+_BINARY_CONTROL = bytes(set(range(32)) - {8, 9, 10, 12, 13, 27})
+_MAX_CONTROL_FRACTION = 0.1
+_MAX_INVALID_UTF8_FRACTION = 0.3
 
 
 @dataclass(kw_only=True)
@@ -34,6 +43,8 @@ class ReadStats:
     replaced_bytes: int = 0
     skipped_lines: int = 0
     skipped_examples: list[str] = field(default_factory=list)
+    skipped_binary_files: int = 0
+    skipped_binary_examples: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         """Plain-JSON form for metadata."""
@@ -43,6 +54,8 @@ class ReadStats:
             "replaced_bytes": self.replaced_bytes,
             "skipped_lines": self.skipped_lines,
             "skipped_examples": list(self.skipped_examples),
+            "skipped_binary_files": self.skipped_binary_files,
+            "skipped_binary_examples": list(self.skipped_binary_examples),
         }
 
 
@@ -74,6 +87,26 @@ def decode_utf8(raw: bytes, stats: ReadStats) -> str:
         return text
 
 
+def binary_reason(head: bytes) -> str | None:
+    """Why the first bytes of a file show binary content, or None for text.
+
+    Git's rule (a NUL byte in the first 8000 bytes means binary), plus two checks for binary
+    data without NULs: many control characters, or mostly invalid UTF-8. Hand-written because it
+    is three lines; libraries that sniff file types go by magic numbers, not by "is this text".
+    """
+    if not head:
+        return None
+    if b"\0" in head:
+        return "binary content (NUL bytes)"
+    control = sum(head.count(bytes([c])) for c in _BINARY_CONTROL)
+    if control > _MAX_CONTROL_FRACTION * len(head):
+        return f"binary content ({control} control bytes in the first {len(head)})"
+    invalid = len(head) - len(head.decode("utf-8", errors="ignore").encode("utf-8"))
+    if invalid > _MAX_INVALID_UTF8_FRACTION * len(head) + 4:  # + 4: a character cut at the end
+        return f"binary content ({invalid} of the first {len(head)} bytes are not UTF-8)"
+    return None
+
+
 def input_kind(path: Path) -> str:
     """``"jsonl"``, ``"parquet"`` or ``"text"`` from the file name (compression suffix ignored)."""
     name = path.name.lower()
@@ -101,7 +134,10 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
             matches = sorted(Path(p) for p in glob.glob(entry, recursive=True))
             matched_files = [p for p in matches if p.is_file()]
             if not matched_files:
-                raise FileNotFoundError(f"input glob {entry!r} matches no files")
+                raise FileNotFoundError(
+                    f"input glob {entry!r} matches no files; check the pattern (quote it so "
+                    "the shell does not expand it)"
+                )
             files.extend(matched_files)
             continue
         path = Path(entry)
@@ -113,12 +149,17 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
                 and not any(part.startswith(".") for part in p.relative_to(path).parts)
             )
             if not found:
-                raise FileNotFoundError(f"input directory {entry!r} contains no files")
+                raise FileNotFoundError(
+                    f"input directory {entry!r} contains no files (hidden files are skipped)"
+                )
             files.extend(found)
         elif path.is_file():
             files.append(path)
         else:
-            raise FileNotFoundError(f"input path {entry!r} does not exist")
+            raise FileNotFoundError(
+                f"input path {entry!r} does not exist; give text, JSONL or Parquet files, "
+                "directories or globs"
+            )
     return files
 
 
@@ -146,7 +187,10 @@ def file_sha256(path: Path) -> str:
 def _bad_line(stats: ReadStats, on_bad_line: str, where: str, why: str) -> None:
     message = f"{where}: {why}"
     if on_bad_line == "error":
-        raise ValueError(f"{message} (pass on_bad_line='skip' / --skip-bad-lines to skip)")
+        raise UserError(
+            f"{message}; each line must be a JSON object with a string text field (pass "
+            "--on-bad-line=skip, or on_bad_line='skip' in Python, to skip and count such lines)"
+        )
     stats.skipped_lines += 1
     if len(stats.skipped_examples) < 10:
         stats.skipped_examples.append(message)
@@ -177,15 +221,30 @@ def _iter_jsonl(path: Path, text_field: str, on_bad_line: str, stats: ReadStats)
             yield value
 
 
+def _skip_binary(path: Path, reason: str, stats: ReadStats) -> None:
+    stats.skipped_binary_files += 1
+    if len(stats.skipped_binary_examples) < 10:
+        stats.skipped_binary_examples.append(f"{path}: {reason}")
+
+
 def _iter_text(path: Path, separator: str, stats: ReadStats) -> Iterator[str]:
-    """The whole file as one document, or its pieces between ``separator``s, streamed."""
+    """The whole file as one document, or its pieces between ``separator``s, streamed.
+
+    A file whose first bytes are binary (`binary_reason`) yields nothing and is counted.
+    """
     with _open_binary(path) as f:
+        head = f.read(_SNIFF_BYTES)
+        reason = binary_reason(head)
+        if reason is not None:
+            _skip_binary(path, reason, stats)
+            return
         if not separator:
-            yield decode_utf8(f.read(), stats)
+            yield decode_utf8(head + f.read(), stats)
             return
         sep = separator.encode("utf-8")
         pending = b""
-        for block in iter(lambda: f.read(_READ_BLOCK), b""):
+        blocks = itertools.chain([head], iter(lambda: f.read(_READ_BLOCK), b""))
+        for block in blocks:
             pieces = (pending + block).split(sep)
             pending = pieces.pop()
             for piece in pieces:
@@ -196,10 +255,16 @@ def _iter_text(path: Path, separator: str, stats: ReadStats) -> Iterator[str]:
 def _iter_parquet(path: Path, column: str) -> Iterator[str]:
     import pyarrow.parquet as pq
 
-    parquet = pq.ParquetFile(path)
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as error:  # pyarrow's own error types; the message says what is wrong
+        raise UserError(f"{path} is not a readable Parquet file: {error}") from error
     names = parquet.schema_arrow.names
     if column not in names:
-        raise ValueError(f"parquet file {path} has no column {column!r}; columns: {names}")
+        raise UserError(
+            f"parquet file {path} has no column {column!r}; columns: {names} (choose one with "
+            "--text-field)"
+        )
     for batch in parquet.iter_batches(columns=[column], batch_size=1024):
         for value in batch.column(0).to_pylist():
             if value is not None:
@@ -226,9 +291,12 @@ def iter_documents(
             documents = _iter_parquet(path, text_field)
         else:
             documents = _iter_text(path, text_separator, stats)
-        for text in documents:
-            stats.documents += 1
-            yield text
+        try:
+            for text in documents:
+                stats.documents += 1
+                yield text
+        except (OSError, EOFError) as error:  # a damaged .gz/.zst, an unreadable file
+            raise UserError(f"input file {path} could not be read: {error}") from error
 
 
 def describe_sources(files: list[Path]) -> list[dict]:

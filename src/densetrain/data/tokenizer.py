@@ -14,6 +14,8 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from densetrain.errors import UserError
+
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
 PAD_TOKEN = "<|pad|>"
@@ -193,7 +195,15 @@ def train_tokenizer(
         initial_alphabet=alphabet,
         show_progress=show_progress,
     )
-    backend.train_from_iterator(texts, trainer=trainer)
+    counted = _NonEmptyCounter(texts)
+    backend.train_from_iterator(counted, trainer=trainer)
+    if counted.error is not None:  # raised inside the Rust trainer's iteration: re-raise as is
+        raise counted.error
+    if counted.non_empty == 0:
+        raise UserError(
+            f"the tokenizer corpus is empty ({counted.seen} documents, none with any text); "
+            "give files that contain text"
+        )
     output_path = Path(output_path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = output_path.with_name(output_path.name + ".tmp")
@@ -201,6 +211,35 @@ def train_tokenizer(
     os.replace(tmp, output_path)
     _write_hf_config(output_path.parent, special_tokens)
     return load_tokenizer(output_path)
+
+
+class _NonEmptyCounter:
+    """Iterate ``texts``, counting documents and those with text; keep an error of the source.
+
+    The BPE trainer iterates in Rust, which would turn a ``UserError`` of the source (a
+    malformed JSONL line) into a generic exception; the original is kept here instead.
+    """
+
+    def __init__(self, texts: Iterable[str]) -> None:
+        self._texts = iter(texts)
+        self.seen = 0
+        self.non_empty = 0
+        self.error: BaseException | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        try:
+            text = next(self._texts)
+        except StopIteration:
+            raise
+        except Exception as error:
+            self.error = error
+            raise StopIteration from error
+        self.seen += 1
+        self.non_empty += bool(text.strip())
+        return text
 
 
 def _write_hf_config(directory: Path, special_tokens: tuple[str, ...]) -> None:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from densetrain.errors import DamagedFileError, UserError
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -77,20 +79,54 @@ def _job_tokenizer(job):
     return load_tokenizer(corpus / "tokenizer.json")
 
 
+def _check_model_shapes(model_state: dict, metadata, checkpoint: Path) -> None:
+    """Every model tensor must be in the checkpoint with the shape the stored config implies."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stored = metadata.state_dict_metadata
+    for name, value in model_state.items():
+        meta = stored.get(f"model.{name}")
+        if not isinstance(meta, TensorStorageMetadata):
+            raise DamagedFileError(
+                f"checkpoint {checkpoint} has no tensor 'model.{name}' that its config.toml "
+                "implies; the checkpoint is damaged or its config.toml is not its own"
+            )
+        if tuple(meta.size) != tuple(value.shape):
+            raise DamagedFileError(
+                f"checkpoint {checkpoint}: tensor 'model.{name}' has shape {tuple(meta.size)}, "
+                f"its config.toml implies {tuple(value.shape)}"
+            )
+
+
 def _load_checkpoint_model(checkpoint: Path, tokenizer):
-    from densetrain.checkpoint import ModelState, load_checkpoint, read_checkpoint_config
+    """The model of a training checkpoint, read without running anything from its files: the
+    metadata through a restricted unpickler, non-tensor values as plain data only
+    (``densetrain.checkpoint.safe_pickle``)."""
+    from densetrain.checkpoint import ModelState
+    from densetrain.checkpoint.safe_pickle import read_dcp_metadata, safe_dcp_load
     from densetrain.config import job_config_from_dict
     from densetrain.models import Transformer
+    from densetrain.models.hf.files import check_finite
 
-    job = job_config_from_dict(
-        tomllib.loads(read_checkpoint_config(checkpoint)),
-        source=f"{checkpoint}/config.toml", validate=False,
-    )
+    config_path = checkpoint / "config.toml"
+    if not config_path.is_file():
+        raise DamagedFileError(f"checkpoint {checkpoint} has no config.toml; it is incomplete")
+    try:
+        config = tomllib.loads(config_path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise DamagedFileError(f"{config_path} is not valid TOML ({error})") from error
+    job = job_config_from_dict(config, source=str(config_path), validate=False)
     tokenizer = tokenizer or _job_tokenizer(job)
+    metadata = read_dcp_metadata(checkpoint)
     with torch.device("meta"):
         model = Transformer(job.build_model_config(tokenizer.vocab_size))
     model.to_empty(device="cpu")
-    load_checkpoint(checkpoint, {"model": ModelState(model)})
+    state = ModelState(model)
+    tree = {"model": state.state_dict()}
+    _check_model_shapes(tree["model"], metadata, checkpoint)
+    safe_dcp_load(tree, checkpoint)
+    state.load_state_dict(tree["model"])
+    check_finite(model.state_dict(), checkpoint)
     return model, tokenizer
 
 
@@ -108,7 +144,8 @@ def load_for_eval(
 
     directory = Path(path)
     if not directory.is_dir():
-        raise ValueError(f"model path {directory} is not a directory")
+        raise UserError(f"model path {directory} is not a directory; give a model, Hugging Face "
+                        "or training checkpoint directory")
     explicit = load_tokenizer(tokenizer) if tokenizer else None
     checkpoint = None if (directory / "config.json").is_file() else _training_checkpoint(directory)
     if checkpoint is not None:

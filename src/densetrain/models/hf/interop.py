@@ -10,17 +10,18 @@ are lossless (renames, transposes and reshapes only).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
+from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
 from densetrain.models.hf.base import HFAdapter, Tensors
 from densetrain.models.hf.bloom import BloomAdapter
 from densetrain.models.hf.files import (
     DEFAULT_MAX_SHARD_BYTES,
     checkpoint_files,
+    read_json,
     read_tensors,
     tensor_shapes,
     write_directory_atomically,
@@ -63,7 +64,13 @@ def get_adapter(model_type: str) -> HFAdapter:
 
 
 def _adapter_for_config(hf_config: dict) -> HFAdapter:
-    adapter = get_adapter(hf_config.get("model_type", "<missing>"))
+    if "model_type" not in hf_config:
+        raise ValueError(
+            "config.json has no 'model_type', so it is not a Hugging Face config (a densetrain "
+            "model directory is read with load_model / `densetrain convert --to-hf`); "
+            f"supported model types: {list(SUPPORTED_MODEL_TYPES)}"
+        )
+    adapter = get_adapter(hf_config["model_type"])
     architectures = hf_config.get("architectures") or [adapter.architecture]
     unsupported = [a for a in architectures if a != adapter.architecture]
     if unsupported:
@@ -118,9 +125,13 @@ def load_hf(path: str | Path, *, dtype: torch.dtype | None = None) -> Transforme
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{directory} has no config.json; expected a Hugging Face checkpoint")
-    hf_config = json.loads(config_path.read_text())
+    hf_config = read_json(config_path)
     adapter = _adapter_for_config(hf_config)
-    cfg = adapter.config_from_hf(hf_config)
+    try:
+        cfg = adapter.config_from_hf(hf_config)
+    except KeyError as error:
+        raise UserError(f"{config_path} has no field {error} that a {adapter.model_type!r} "
+                        "config needs") from error
     files = checkpoint_files(directory)
     expected = {k: tuple(v.shape) for k, v in adapter.dt_to_hf(meta_state_dict(cfg), cfg).items()}
     expected_names = set(expected)

@@ -14,7 +14,6 @@ Training checkpoints (optimizer, data loader, ...) are a different, DCP-based fo
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ from densetrain.models.config import ModelConfig
 from densetrain.models.hf.files import (
     DEFAULT_MAX_SHARD_BYTES,
     checkpoint_files,
+    read_json,
     read_tensors,
     write_directory_atomically,
     write_json,
@@ -56,7 +56,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None) -> Transfo
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{directory} has no config.json; expected a densetrain model directory")
-    data = json.loads(config_path.read_text())
+    data = read_json(config_path)
     if "model_type" in data:
         raise ValueError(
             f"{config_path} is a Hugging Face config (model_type={data['model_type']!r}); "
@@ -78,4 +78,4 @@ def is_model_dir(path: str | Path) -> bool:
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
         return False
-    return "model_type" not in json.loads(config_path.read_text())
+    return "model_type" not in read_json(config_path)

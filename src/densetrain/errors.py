@@ -1,0 +1,60 @@
+"""Errors that mean "the input was wrong", and how the command line reports them.
+
+Library functions raise `UserError` (a ``ValueError``, so callers that catch ``ValueError`` keep
+working) — or ``ValueError`` / ``OSError`` with a message naming the file, line or field, what
+was wrong and what is allowed. The ``densetrain`` command line (``cli/main.py``) turns every
+such error into one line on stderr and a non-zero exit; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import errno
+import pickle
+
+
+class UserError(ValueError):
+    """Bad input: the message names the file, line or field, what was wrong and what is allowed."""
+
+
+class UnsafeFileError(UserError):
+    """A file holds something densetrain refuses to load (e.g. a pickle naming a code object)."""
+
+
+class DamagedFileError(UserError):
+    """A file densetrain wrote is truncated, corrupted or does not match its recorded checksum."""
+
+
+# Exceptions whose message is written for the user: printed without a traceback.
+USER_ERROR_TYPES: tuple[type[BaseException], ...] = (
+    ValueError,  # includes UserError, json.JSONDecodeError, UnicodeDecodeError
+    OSError,  # FileNotFoundError, PermissionError, IsADirectoryError, ENOSPC, EROFS, ...
+    ImportError,  # an optional dependency that is not installed
+    pickle.UnpicklingError,
+    EOFError,
+)
+
+
+def unwrap_error(error: BaseException) -> BaseException:
+    """The first rank's original exception inside a DCP ``CheckpointException`` (which derives
+    from ``BaseException`` and prints tracebacks in its message), else ``error`` itself."""
+    failures = getattr(error, "failures", None)
+    if type(error).__name__ == "CheckpointException" and isinstance(failures, dict) and failures:
+        wrapped = next(iter(failures.values()))
+        return wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    return error
+
+
+def describe_error(error: BaseException) -> str:
+    """The one-line message printed for ``error`` (disk-full and read-only disks named as such)."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f" while writing {error.filename}" if error.filename else ""
+        return f"no space left on device{where}; free some space or write elsewhere"
+    if isinstance(error, OSError) and error.errno == errno.EROFS:
+        where = f" {error.filename}" if error.filename else ""
+        return f"read-only file system:{where} cannot be written; choose a writable location"
+    if isinstance(error, OSError) and error.filename and str(error.filename) not in str(error):
+        return f"{error.filename}: {error.strerror or error}"
+    text = str(error).strip()
+    if isinstance(error, KeyError):
+        text = f"missing key {text}"
+    return text or type(error).__name__
