@@ -15,11 +15,21 @@ import sys
 _COMMAND_MODULES = (
     "densetrain.cli.train_cmd",  # train
     "densetrain.cli.data_cmd",  # data train-tokenizer | prepare | inspect
-    "densetrain.cli.models_cmd",  # convert, model-info
+    "densetrain.cli.models_cmd",  # convert, model-info, presets
+    "densetrain.cli.export_cmd",  # export
     "densetrain.cli.scaling_cmd",  # scaling sweep | fit | optimal
     "densetrain.cli.plan_cmd",  # plan
     "densetrain.cli.eval_cmd",  # eval perplexity | tasks, generate
 )
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("densetrain")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="densetrain",
         description="Pretrain dense decoder-only language models, from one CPU to many GPUs.",
     )
+    parser.add_argument("--version", action="version", version=f"densetrain {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(sub)
