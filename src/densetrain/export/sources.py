@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,8 +123,10 @@ def _checkpoint_source(checkpoint: Path, tokenizer: Tokenizer | None) -> ExportS
             for name in names
         }
         # No process group: DCP reads the requested entries on this process, whatever layout
-        # wrote them, each into its preallocated full tensor.
-        dcp.load(wanted, storage_reader=dcp.FileSystemReader(str(checkpoint)), no_dist=True)
+        # wrote them, each into its preallocated full tensor (and says so in a warning).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+            dcp.load(wanted, storage_reader=dcp.FileSystemReader(str(checkpoint)), no_dist=True)
         return {name: wanted[_MODEL_PREFIX + name] for name in names}
 
     return ExportSource(path=checkpoint, kind="checkpoint",
