@@ -137,7 +137,7 @@ def _checkpoint_source(checkpoint: Path, tokenizer: Tokenizer | None) -> ExportS
 def _model_dir_source(directory: Path, tokenizer: Tokenizer | None) -> ExportSource:
     from safetensors import safe_open
 
-    from densetrain.models.hf.files import checkpoint_files, read_tensors
+    from densetrain.models.hf.files import checkpoint_files, read_tensors, torch_dtype_of
 
     data = json.loads((directory / "config.json").read_text())
     if "model_type" in data:
@@ -154,19 +154,13 @@ def _model_dir_source(directory: Path, tokenizer: Tokenizer | None) -> ExportSou
                 if files[name] == path:
                     meta = handle.get_slice(name)
                     specs[name] = TensorSpec(tuple(meta.get_shape()),
-                                             _SAFETENSORS_TORCH[meta.get_dtype()])
+                                             torch_dtype_of(meta.get_dtype()))
     if tokenizer is None and (directory / "tokenizer.json").is_file():
         tokenizer = load_tokenizer(directory / "tokenizer.json")
     return ExportSource(path=directory, kind="model", config=ModelConfig.from_dict(data),
                         specs=specs, read=lambda names: read_tensors(files, set(names)),
                         tokenizer=tokenizer)
 
-
-_SAFETENSORS_TORCH = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-}
 
 
 def open_source(path: str | os.PathLike, *, tokenizer: str | os.PathLike | None = None

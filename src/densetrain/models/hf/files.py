@@ -160,6 +160,15 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+def torch_dtype_of(code: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype code (``F32``, ``BF16``, ...)."""
+    for dtype, name in _SAFETENSORS_DTYPES.items():
+        if name == code:
+            return dtype
+    allowed = list(_SAFETENSORS_DTYPES.values())
+    raise ValueError(f"safetensors dtype {code!r} is not one of {allowed}")
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """Shape and dtype of a tensor that will be written later."""
