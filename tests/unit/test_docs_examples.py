@@ -6,7 +6,8 @@ start with ``densetrain``, ``make`` or ``torchrun`` (continuation lines joined).
 - synopses: a ``[...]`` option, an ``a|b`` choice, ``...`` or an upper-case placeholder
   (``MODEL``, ``HF_DIR``, ``DIR/fit.json``);
 - commands marked in the document by a comment on one of their lines or the line above:
-  ``(cluster)`` (needs more machines than a test has) or ``(this suite)`` (runs these tests);
+  ``(cluster)`` (needs more machines than a test has), ``(this suite)`` (runs these tests),
+  ``(your files)`` (needs the reader's own files) or ``(hours)`` (too long for a test);
 - ``PENDING_MARKERS``: commands in documents owned elsewhere that still lack their marker.
 
 Each document's commands run in order (a later one may use an earlier one's output) in a fresh
@@ -29,7 +30,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-MARKERS = ("(cluster)", "(this suite)")
+MARKERS = ("(cluster)", "(this suite)", "(your files)", "(hours)")
 PENDING_MARKERS = {  # (document, start of the command): why it cannot run as written
     ("docs/planner.md", "densetrain plan --model my_model.toml"): "a user's own files",
     ("docs/scaling.md", "densetrain scaling sweep --out runs/sweep --jobs 2"):
