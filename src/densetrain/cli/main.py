@@ -26,11 +26,21 @@ EXIT_INTERNAL_ERROR = 1
 _COMMAND_MODULES = (
     "densetrain.cli.train_cmd",  # train
     "densetrain.cli.data_cmd",  # data train-tokenizer | prepare | inspect
-    "densetrain.cli.models_cmd",  # convert, model-info
+    "densetrain.cli.models_cmd",  # convert, model-info, presets
+    "densetrain.cli.export_cmd",  # export
     "densetrain.cli.scaling_cmd",  # scaling sweep | fit | optimal
     "densetrain.cli.plan_cmd",  # plan
     "densetrain.cli.eval_cmd",  # eval perplexity | tasks, generate
 )
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("densetrain")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         DEBUG_FLAG, action="store_true", help="show the full traceback of an error (anywhere)"
     )
+    parser.add_argument("--version", action="version", version=f"densetrain {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(sub)

@@ -1,21 +1,21 @@
-"""Sub-commands `densetrain convert` and `densetrain model-info` (see cli/main.py).
+"""Sub-commands `densetrain convert`, `densetrain model-info` and `densetrain presets`.
 
 ``densetrain convert --from-hf DIR --out PATH`` reads a Hugging Face checkpoint directory
 (``config.json`` + safetensors, sharded or not) and writes a densetrain model directory at PATH:
 ``config.json`` holding ``ModelConfig.to_dict()`` and ``model.safetensors`` holding the
-``Transformer`` state dict under densetrain's parameter names (format:
-``densetrain.models.hf.native``). ``densetrain convert --to-hf PATH --out DIR [--family F]``
-goes back to a directory that ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+``Transformer`` state dict under densetrain's parameter names.
+``densetrain convert --to-hf SOURCE --out DIR`` is ``densetrain export SOURCE --to-hf DIR``
+under its older name: SOURCE may be a run directory, a training checkpoint or a densetrain model
+directory, and DIR gets weights, configs and tokenizer files that ``transformers`` loads.
 ``densetrain model-info PRESET [--json]`` prints parameter counts, training FLOPs per token
 (PaLM's 6N + 12·L·H·Q·T and Chinchilla's Appendix F count) and KV-cache bytes per token.
+``densetrain presets [--family F]`` lists the presets with their parameter counts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _torch_dtype(name: str | None):
@@ -27,26 +27,18 @@ def _torch_dtype(name: str | None):
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from densetrain.models.hf import load_hf, load_model, save_hf, save_model
+    if args.to_hf:
+        from densetrain.cli.export_cmd import run_export
 
-    dtype = _torch_dtype(args.dtype)
-    shard_bytes = int(args.max_shard_gb * 10**9)
-    if args.from_hf:
-        model = load_hf(args.from_hf, dtype=dtype)  # refuses damaged files and NaN/inf weights
-        save_model(model, args.out, max_shard_bytes=shard_bytes, overwrite=args.overwrite)
-        source = args.from_hf
-    else:
-        model = load_model(args.to_hf, dtype=dtype)
-        save_hf(
-            model,
-            args.out,
-            hf_family=args.family,
-            max_shard_bytes=shard_bytes,
-            overwrite=args.overwrite,
-        )
-        source = args.to_hf
+        return run_export(args, args.to_hf, args.out, "convert")
+    from densetrain.models.hf import load_hf, save_model
+
+    # load_hf refuses damaged files and NaN/inf weights; errors go to the CLI's one boundary
+    model = load_hf(args.from_hf, dtype=_torch_dtype(args.dtype))
+    save_model(model, args.out, max_shard_bytes=int(args.max_shard_gb * 10**9),
+               overwrite=args.overwrite)
     params = sum(p.numel() for p in model.parameters())
-    print(f"converted {source} -> {args.out} ({params:,} parameters)")
+    print(f"converted {args.from_hf} -> {args.out} ({params:,} parameters)")
     return 0
 
 
@@ -124,27 +116,76 @@ def _model_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def preset_rows(family: str | None = None) -> list[dict]:
+    """One row per preset (of ``family`` when given): name, family, shape and parameter counts,
+    sorted by family then size. ``ValueError`` lists the families for an unknown one."""
+    from densetrain.models import sizing
+    from densetrain.models.presets import get_preset, list_presets
+
+    names = list_presets()
+    configs = {name: get_preset(name) for name in names}
+    families = sorted({str(cfg.extra.get("family")) for cfg in configs.values()})
+    if family is not None and family not in families:
+        raise ValueError(f"unknown family {family!r}; families: {families}")
+    rows = []
+    for name, cfg in configs.items():
+        if family is not None and cfg.extra.get("family") != family:
+            continue
+        counts = sizing.param_counts(cfg)
+        rows.append({
+            "name": name, "family": cfg.extra.get("family"), "num_layers": cfg.num_layers,
+            "dim": cfg.dim, "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
+            "vocab_size": cfg.vocab_size, "max_seq_len": cfg.max_seq_len,
+            "total_params": counts.total, "non_embedding_params": counts.non_embedding,
+            "published_params": cfg.extra.get("published_params"),
+        })
+    return sorted(rows, key=lambda r: (str(r["family"]), r["total_params"], r["name"]))
+
+
+def _human(count: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.3g}{unit}"
+    return str(count)
+
+
+def _presets(args: argparse.Namespace) -> int:
+    rows = preset_rows(args.family)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    header = ("preset", "family", "params", "non-emb", "layers", "dim", "heads", "kv", "vocab",
+              "seq")
+    table = [header] + [
+        (r["name"], str(r["family"]), _human(r["total_params"]),
+         _human(r["non_embedding_params"]), str(r["num_layers"]), str(r["dim"]),
+         str(r["num_heads"]), str(r["num_kv_heads"]), str(r["vocab_size"]), str(r["max_seq_len"]))
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
+                        for i, (cell, w) in enumerate(zip(row, widths, strict=True))))
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `convert` and `model-info` to subparsers."""
+    """Add `convert`, `model-info` and `presets` to subparsers."""
     convert = subparsers.add_parser(
         "convert",
         help="convert between Hugging Face checkpoints and densetrain model directories",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    from densetrain.cli.export_cmd import add_export_options
+
     source = convert.add_mutually_exclusive_group(required=True)
     source.add_argument("--from-hf", metavar="DIR", help="Hugging Face checkpoint directory")
-    source.add_argument("--to-hf", metavar="PATH", help="densetrain model directory")
+    source.add_argument("--to-hf", metavar="SOURCE",
+                        help="run directory, training checkpoint or densetrain model directory "
+                             "(the same as `densetrain export SOURCE --to-hf OUT`)")
     convert.add_argument("--out", required=True, help="directory to write (atomically)")
-    convert.add_argument(
-        "--family", default=None,
-        help="Hugging Face model_type to export as (default: the config's extra.hf_family)",
-    )
-    convert.add_argument("--dtype", choices=_DTYPES, default=None,
-                         help="cast weights (default: keep)")
-    convert.add_argument("--max-shard-gb", type=float, default=5.0,
-                         help="shard the safetensors past this size (default 5)")
-    convert.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    add_export_options(convert)
     convert.set_defaults(func=_convert)
 
     info = subparsers.add_parser(
@@ -161,3 +202,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     add_serving_arguments(info)
     info.set_defaults(func=_model_info)
+
+    presets = subparsers.add_parser(
+        "presets", help="list the model presets with their sizes",
+    )
+    presets.add_argument("--family", default=None,
+                         help="only this family (e.g. llama3, gpt2, qwen3)")
+    presets.add_argument("--json", action="store_true", help="print JSON")
+    presets.set_defaults(func=_presets)

@@ -2,7 +2,8 @@
 
 Without CONFIG the embedded default runs: a tiny LLaMA-style model on the Python standard
 library sources with a BPE tokenizer trained on them; no download and no setup. Overrides use
-dotted paths, e.g. ``--training.steps=50 --model.num_layers=4 --logging.run_dir=runs/x``.
+dotted paths, e.g. ``--training.steps=50 --model.num_layers=4 --logging.run_dir=runs/x``;
+``--training.steps 50`` (a space instead of ``=``) is the same. CONFIG, when given, comes first.
 
 Speed on CPU: the allocator matters (large per-step tensors are otherwise mmap'ed and faulted in
 again each step). Preload tcmalloc (``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4``) or
@@ -23,11 +24,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "train",
         help="train a model (no arguments: the embedded tiny default)",
         description=__doc__,
+        usage="densetrain train [CONFIG.toml] [--section.field[=]value ...] [--print-config]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "config", nargs="?", default=None, help="job TOML file (default: the embedded default)"
-    )
+    # CONFIG is taken from the unparsed words (split_config_and_overrides), not as an argparse
+    # positional: argparse would take the value of ``--training.steps 10`` as the config file.
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
@@ -48,6 +49,13 @@ def check_job_inputs(job) -> None:
     check_tokenizer_fits_model(vocab, job.build_model_config(vocab.vocab_size).vocab_size)
 
 
+def split_config_and_overrides(words: list[str]) -> tuple[str | None, list[str]]:
+    """``(CONFIG or None, overrides)``: a first word that is not an option is the config file."""
+    if words and not words[0].startswith("-"):
+        return words[0], list(words[1:])
+    return None, list(words)
+
+
 def run_train(args: argparse.Namespace) -> int:
     """Load the job config with the overrides, check its inputs, train, print the summary.
 
@@ -56,8 +64,8 @@ def run_train(args: argparse.Namespace) -> int:
     """
     from densetrain.config import job_config_to_toml, load_job_config
 
-    overrides = list(getattr(args, "extra", []) or [])
-    job = load_job_config(args.config, overrides)
+    config, overrides = split_config_and_overrides(list(getattr(args, "extra", []) or []))
+    job = load_job_config(config, overrides)
     if args.print_config:
         print(job_config_to_toml(job))
         return 0

@@ -130,6 +130,36 @@ class JobConfig:
         resolve_derived(self, dp_size)
         return self
 
+    def derived_micro_batch_size(self, dp_size: int) -> int:
+        """The micro-batch size that ``training.micro_batch_size = 0`` stands for on ``dp_size``
+        data-parallel ranks: the rank's batch, split into the pipeline's microbatches under
+        ``parallel.pp > 1``. Raises ``ValueError`` naming the fields when it does not divide.
+
+        Deriving it keeps the documented quick commands valid on every layout (``dp_replicate=2``
+        halves the rank's batch, ``pp=2`` needs at least two microbatches) without a per-layout
+        setting; a fixed ``micro_batch_size`` is still the way to bound activation memory.
+        """
+        from densetrain.config.rules import _resolve_global_batch
+
+        _resolve_global_batch(self)
+        global_batch = self.training.global_batch_size
+        local, remainder = divmod(global_batch, dp_size)
+        if remainder or local == 0:
+            raise ValueError(
+                f"training.global_batch_size={global_batch} is not divisible by the "
+                f"data-parallel size {dp_size}; choose a multiple of {dp_size}"
+            )
+        par = self.parallel
+        pieces = par.pp_microbatches or (par.pp if par.pp > 1 else 1)
+        if local % pieces:
+            raise ValueError(
+                f"the rank's batch of {local} sequences (training.global_batch_size="
+                f"{global_batch} / data-parallel size {dp_size}) does not split into {pieces} "
+                "pipeline microbatches; set training.micro_batch_size or "
+                "parallel.pp_microbatches"
+            )
+        return local // pieces
+
     def validate(
         self, world_size: int | None = 1, dp_size: int | None = None, *, check_model: bool = True
     ) -> None:
@@ -143,17 +173,28 @@ class JobConfig:
         ``check_model`` the model config is built (without the tokenizer's vocab) so that bad
         model overrides fail before any work.
         """
-        from densetrain.config.rules import validate_job
+        from densetrain.config.rules import data_parallel_size, validate_job
 
-        validate_job(self, world_size=world_size, dp_size=dp_size, check_model=check_model)
+        if self.training.micro_batch_size != 0:
+            validate_job(self, world_size=world_size, dp_size=dp_size, check_model=check_model)
+            return
+        self.training.validate()
+        known_dp = dp_size or data_parallel_size(self, world_size)
+        self.training.micro_batch_size = self.derived_micro_batch_size(known_dp)
+        try:
+            validate_job(self, world_size=world_size, dp_size=dp_size, check_model=check_model)
+        finally:
+            if world_size is None and dp_size is None:
+                # Away from the cluster the data-parallel size is not final (dp_shard = -1):
+                # the derived value was only checked; the trainer derives it again.
+                self.training.micro_batch_size = 0
 
     def batch_size_schedule(self, dp_size: int = 1):
         """The ``BatchSizeSchedule`` of this job (constant unless ``schedule.batch_ramp_start``)."""
         from densetrain.optim.schedules import BatchSizeSchedule
 
-        increment = self.schedule.batch_ramp_increment or (
-            self.training.micro_batch_size * dp_size
-        )
+        micro = self.training.micro_batch_size or self.derived_micro_batch_size(dp_size)
+        increment = self.schedule.batch_ramp_increment or micro * dp_size
         return BatchSizeSchedule(
             global_batch_size=self.training.global_batch_size,
             seq_len=self.data.seq_len,

@@ -32,6 +32,11 @@ from densetrain.optim.config import OptimConfig, ScheduleConfig
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
+_DEFAULT_WARMUP_STEPS = 30
+_DEFAULT_WARMUP_FRACTION = 0.1  # 30 of the default's 300 steps
+_WARMUP_KEYS = ("schedule.warmup_steps", "schedule.warmup_tokens")
+
+
 def default_job_config() -> JobConfig:
     """The embedded default job: ``tiny-llama`` on the standard-library corpus, a few CPU minutes.
 
@@ -39,7 +44,26 @@ def default_job_config() -> JobConfig:
     """
     return JobConfig(
         optim=OptimConfig(lr=3e-3),
-        schedule=ScheduleConfig(name="cosine", warmup_steps=30),
+        schedule=ScheduleConfig(name="cosine", warmup_steps=_DEFAULT_WARMUP_STEPS),
+    )
+
+
+def _scale_default_warmup(job: JobConfig, override_keys: set[str]) -> None:
+    """Warmup of the embedded default for a run of another length, unless the user set one.
+
+    The default warms up for 30 of its 300 steps. A quick experiment shortens the run
+    (``--training.steps=20``); a fixed 30-step warmup would then be longer than the run, so the
+    default's warmup follows the run: ``min(30, 10% of training.steps)`` (0 below 10 steps).
+    A warmup the user states (``--schedule.warmup_steps`` or ``--schedule.warmup_tokens``, or
+    any config file) is taken as written, and one longer than the run is an error naming the
+    override that fixes it; only the default's own value is ever adjusted, never the user's.
+    """
+    if override_keys & set(_WARMUP_KEYS):
+        if "schedule.warmup_steps" not in override_keys:
+            job.schedule.warmup_steps = 0  # warmup_tokens replaces the default's warmup_steps
+        return
+    job.schedule.warmup_steps = min(
+        _DEFAULT_WARMUP_STEPS, int(job.training.steps * _DEFAULT_WARMUP_FRACTION)
     )
 
 
@@ -92,6 +116,9 @@ def load_job_config(
 ) -> JobConfig:
     """Load ``path`` (None = the embedded default), apply ``overrides``, validate, return.
 
+    On the embedded default, a warmup the overrides leave unset follows ``training.steps``
+    (``_scale_default_warmup``).
+
     ``world_size`` None validates what does not depend on the world size (the trainer calls
     ``job.validate(world_size=...)`` again once it knows it).
 
@@ -111,8 +138,11 @@ def load_job_config(
         except tomllib.TOMLDecodeError as error:
             raise ValueError(f"config file {source!r} is not valid TOML: {error}") from None
         job = job_config_from_dict(data, source=f"config file {source!r}", validate=False)
-    for key, value, text in parse_overrides(overrides or []):
+    parsed = parse_overrides(overrides or [])
+    for key, value, text in parsed:
         apply_override(job, key, value, text)
+    if path is None:
+        _scale_default_warmup(job, {key for key, _, _ in parsed})
     job.validate(world_size=world_size)
     return job
 
@@ -124,7 +154,8 @@ def parse_overrides(arguments: list[str]) -> list[tuple[str, str | None, str]]:
         word = arguments[index]
         if not word.startswith("--") or len(word) <= 2:
             raise ValueError(
-                f"override {word!r} must look like --section.field=value (e.g. --optim.lr=1e-3)"
+                f"override {word!r} must look like --section.field=value or --section.field "
+                "value (e.g. --optim.lr=1e-3); a CONFIG file comes before the overrides"
             )
         body = word[2:]
         if "=" in body:

@@ -164,7 +164,7 @@ def _check_schedule_fits_run(job: JobConfig) -> None:
     if schedule.warmup_steps >= steps:
         raise ValueError(
             f"schedule.warmup_steps={schedule.warmup_steps} must be shorter than the run "
-            f"(training.steps={steps})"
+            f"(training.steps={steps}); e.g. --schedule.warmup_steps={steps // 10}"
         )
     if schedule.name == "wsd":
         from densetrain.optim.schedules import wsd_decay_steps

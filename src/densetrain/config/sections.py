@@ -28,7 +28,10 @@ class TrainingConfig:
         global_batch_tokens: when > 0, sets ``global_batch_size = global_batch_tokens /
             data.seq_len`` (must divide); GPT-3 and LLaMA state batches in tokens.
         micro_batch_size: sequences per rank per forward/backward; gradient accumulation steps =
-            global_batch_size / (micro_batch_size × data-parallel size).
+            global_batch_size / (micro_batch_size × data-parallel size). 0 (the default) derives
+            it once the data-parallel size is known: the rank's whole batch (no accumulation),
+            or under pipeline parallelism the rank's batch over the pipeline microbatches
+            (``parallel.pp_microbatches``, else ``pp``), so one batch size runs on any layout.
         seed: seed of weight initialisation and of every other random choice of the trainer.
         dtype: ``fp32``, or ``bf16`` (bf16 autocast with fp32 master weights and optimizer state).
         device: ``auto`` (first GPU, else CPU), ``cpu``, ``cuda``, ``cuda:N`` or ``mps``.
@@ -43,7 +46,7 @@ class TrainingConfig:
     steps: int = 300
     global_batch_size: int = 16
     global_batch_tokens: int = 0
-    micro_batch_size: int = 16
+    micro_batch_size: int = 0
     seed: int = 0
     dtype: str = "fp32"
     device: str = "auto"
@@ -54,9 +57,9 @@ class TrainingConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming ``training.<field>`` when a value is out of range."""
-        for name in ("steps", "global_batch_size", "micro_batch_size"):
+        for name in ("steps", "global_batch_size"):
             _int_at_least(f"training.{name}", getattr(self, name), 1)
-        for name in ("global_batch_tokens", "loss_chunk_size", "seed"):
+        for name in ("micro_batch_size", "global_batch_tokens", "loss_chunk_size", "seed"):
             _int_at_least(f"training.{name}", getattr(self, name), 0)
         _choice("training.dtype", self.dtype, DTYPES)
         _choice("training.nan_policy", self.nan_policy, NAN_POLICIES)

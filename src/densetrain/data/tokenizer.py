@@ -249,3 +249,44 @@ def _write_hf_config(directory: Path, special_tokens: tuple[str, ...]) -> None:
     tmp = directory / "tokenizer_config.json.tmp"
     tmp.write_text(json.dumps({**config, **names}, indent=2) + "\n")
     os.replace(tmp, directory / "tokenizer_config.json")
+
+
+def write_hf_tokenizer_files(
+    tokenizer: Tokenizer, directory: str | os.PathLike, *, model_max_length: int | None = None
+) -> list[Path]:
+    """Write ``tokenizer`` into ``directory`` as the files ``transformers.AutoTokenizer`` reads.
+
+    ``tokenizer.json`` (the tokenizer's own file, byte for byte), ``tokenizer_config.json``
+    (``PreTrainedTokenizerFast`` with the BOS/EOS/PAD tokens and ``model_max_length``) and
+    ``special_tokens_map.json``. Raises ``ValueError`` for a SentencePiece tokenizer, which has
+    no ``tokenizer.json`` to hand over. Returns the written paths.
+    """
+    if tokenizer.kind != "hf":
+        raise ValueError(
+            f"tokenizer {tokenizer.path} is a SentencePiece model; only tokenizer.json "
+            "tokenizers are exported as Hugging Face tokenizer files"
+        )
+    directory = Path(directory)
+    names = {
+        key: tokenizer._backend.id_to_token(token_id)
+        for key, token_id in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id),
+                              ("pad_token", tokenizer.pad_id))
+        if token_id is not None
+    }
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+              **names}
+    if model_max_length is not None:
+        config["model_max_length"] = int(model_max_length)
+    contents = {
+        "tokenizer.json": Path(tokenizer.path).read_bytes(),
+        "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode(),
+        "special_tokens_map.json": (json.dumps(names, indent=2) + "\n").encode(),
+    }
+    written = []
+    for name, data in contents.items():
+        target = directory / name
+        tmp = target.with_name(name + ".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+        written.append(target)
+    return written

@@ -16,15 +16,19 @@ def _job(*overrides: str) -> JobConfig:
     (["--schedule.name=cosin"], r"schedule.name must be one of .*did you mean 'cosine'"),
     (["--optim.betas=0.9"], r"optim.betas must be two numbers in \[0, 1\)"),
     (["--schedule.warmup_steps=300"], r"schedule.warmup_steps=300 must be shorter than the run "
-                                      r"\(training.steps=300\)"),
+                                      r"\(training.steps=300\); e.g. --schedule.warmup_steps=30"),
+    (["--training.steps=20", "--schedule.warmup_steps=30"],
+     r"warmup_steps=30 must be shorter .*training.steps=20\); e.g. --schedule.warmup_steps=2"),
+    (["--parallel.pp=2", "--training.global_batch_size=3"],
+     r"batch of 3 sequences .* does not split into 2 pipeline microbatches"),
     (["--training.micro_batch_size=5"], r"global_batch_size=16 is not divisible by "
                                         r"training.micro_batch_size × data-parallel size = 5 × 1"),
     (["--training.global_batch_tokens=1000"], r"global_batch_tokens=1000 is not divisible by "
                                               r"data.seq_len=256"),
     (["--training.global_batch_tokens=8192", "--training.global_batch_size=8"],
      r"global_batch_size=8 disagrees with .* = 32; set only one"),
-    (["--schedule.warmup_tokens=4096"], r"warmup_steps=30 and schedule.warmup_tokens=4096 "
-                                        r"are both set"),
+    (["--schedule.warmup_steps=30", "--schedule.warmup_tokens=4096"],
+     r"warmup_steps=30 and schedule.warmup_tokens=4096 are both set"),
     (["--training.dtype=fp16"], r"training.dtype must be one of \['fp32', 'bf16'\]"),
     (["--training.device=tpu"], r"training.device must be"),
     (["--schedule.name=wsd", "--schedule.decay_fraction=0.95"], r"wsd decay steps 285"),

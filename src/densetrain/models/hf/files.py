@@ -12,8 +12,10 @@ import errno
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -187,6 +189,7 @@ def write_directory_atomically(
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         fill(tmp)
+        _apply_umask_permissions(tmp)
         if target.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
             os.replace(target, old / "previous")
@@ -205,3 +208,159 @@ def write_directory_atomically(
 def write_json(path: Path, data: dict) -> None:
     """Write ``data`` as indented JSON."""
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _apply_umask_permissions(directory: Path) -> None:
+    """Give ``directory`` (made 0700 by ``mkdtemp``) and its files the permissions a plain
+    ``mkdir``/``open`` would: 0777/0666 minus the process umask (0755/0644 under umask 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for child in directory.rglob("*"):
+        child.chmod((0o777 if child.is_dir() else 0o666) & ~umask)
+
+
+# ---------------------------------------------------------------------------- streaming
+# safetensors' own writers (save_file, save) take every tensor at once; a checkpoint larger than
+# memory has to be written tensor by tensor, so the file layout (an 8-byte little-endian header
+# length, a JSON header with dtype, shape and data_offsets per tensor, then the raw bytes; see
+# the format description in the safetensors README) is written here, and read back with
+# safetensors' safe_open to check it.
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def torch_dtype_of(code: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype code (``F32``, ``BF16``, ...)."""
+    for dtype, name in _SAFETENSORS_DTYPES.items():
+        if name == code:
+            return dtype
+    allowed = list(_SAFETENSORS_DTYPES.values())
+    raise ValueError(f"safetensors dtype {code!r} is not one of {allowed}")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a tensor that will be written later."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor's data in bytes."""
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+class StreamingSafetensorsWriter:
+    """Write a (sharded) safetensors checkpoint whose tensors arrive one at a time, in any order.
+
+    The headers are computed from ``specs`` up front (sharding as ``write_safetensors`` does),
+    so each tensor is written at its final offset as soon as it is given and then released:
+    memory holds one tensor, never the checkpoint. ``close()`` raises ``ValueError`` naming
+    tensors that were never written, then writes the index of a sharded checkpoint.
+    """
+
+    def __init__(
+        self, directory: Path, specs: dict[str, TensorSpec], max_shard_bytes: int
+    ) -> None:
+        if sys.byteorder != "little":
+            raise ValueError("safetensors files are little-endian; this machine is not")
+        unknown = sorted({str(s.dtype) for s in specs.values()} -
+                         {str(d) for d in _SAFETENSORS_DTYPES})
+        if unknown:
+            raise ValueError(f"dtypes {unknown} cannot be stored in safetensors")
+        self.directory = Path(directory)
+        self.specs = dict(specs)
+        metas = {n: torch.empty(s.shape, dtype=s.dtype, device="meta") for n, s in specs.items()}
+        shards = [list(shard) for shard in shard_tensors(metas, max_shard_bytes)]
+        self.file_names = (
+            [SINGLE_FILE] if len(shards) == 1
+            else [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                  for i in range(1, len(shards) + 1)]
+        )
+        self._fds: list[int] = []
+        self._location: dict[str, tuple[int, int]] = {}
+        self._file_of: dict[str, str] = {}
+        for file_name, names in zip(self.file_names, shards, strict=True):
+            self._open_shard(self.directory / file_name, names)
+        self._pending = set(specs)
+
+    def _open_shard(self, path: Path, names: list[str]) -> None:
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name in names:
+            spec = self.specs[name]
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[spec.dtype], "shape": list(spec.shape),
+                            "data_offsets": [offset, offset + spec.nbytes]}
+            offset += spec.nbytes
+        text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors does
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        self._fds.append(fd)
+        _write_all(fd, len(text).to_bytes(8, "little") + text, 0)
+        data_start = 8 + len(text)
+        os.ftruncate(fd, data_start + offset)
+        for name in names:
+            start = header[name]["data_offsets"][0]  # type: ignore[index]
+            self._location[name] = (fd, data_start + start)
+            self._file_of[name] = path.name
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write ``tensor`` (exactly the shape and dtype of its spec) at its place."""
+        if name not in self._pending:
+            state = "already written" if name in self.specs else "not in the checkpoint plan"
+            raise ValueError(f"tensor {name!r} is {state}")
+        spec = self.specs[name]
+        if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+            raise ValueError(
+                f"tensor {name!r}: expected {list(spec.shape)} {spec.dtype}, got "
+                f"{list(tensor.shape)} {tensor.dtype}"
+            )
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        fd, offset = self._location[name]
+        _write_all(fd, memoryview(data), offset)
+        self._pending.discard(name)
+
+    def close(self) -> None:
+        """Flush and close every shard, then write the index of a sharded checkpoint."""
+        for fd in self._fds:
+            os.fsync(fd)
+            os.close(fd)
+        self._fds = []
+        if self._pending:
+            missing = sorted(self._pending)
+            raise ValueError(f"tensors never written: {missing[:5]} ({len(missing)} in all)")
+        if len(self.file_names) > 1:
+            total = sum(s.nbytes for s in self.specs.values())
+            index = {"metadata": {"total_size": total}, "weight_map": self._file_of}
+            write_json(self.directory / INDEX_FILE, index)
+
+    def __enter__(self) -> StreamingSafetensorsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None:
+            for fd in self._fds:
+                os.close(fd)
+            self._fds = []
+            return
+        self.close()
+
+
+def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
