@@ -221,6 +221,17 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+CONFIG_RULES = ("virtual_stages_need_interleaved", "zbv_two_stages",
+                "explicit_microbatches_fill_pipeline")
+"""The rules a ``[parallel]`` section alone decides (no model, batch or world needed)."""
+
+
+def config_reasons(parallel: Any) -> list[str]:
+    """Why the ``[parallel]`` options contradict each other (``CONFIG_RULES``); empty if not."""
+    return [rule.reason(parallel, None, None) for rule in RULES
+            if rule.name in CONFIG_RULES and rule.violated(parallel, None, None)]
+
+
 def _layer_split_reasons(parallel: Any, model: Any) -> list[str]:
     split = list(parallel.pp_layer_split)
     if not split:
