@@ -12,31 +12,44 @@ import argparse
 import importlib
 import sys
 
-_COMMAND_MODULES = (
-    "densetrain.cli.train_cmd",  # train
-    "densetrain.cli.data_cmd",  # data train-tokenizer | prepare | inspect
-    "densetrain.cli.models_cmd",  # convert, model-info
-    "densetrain.cli.scaling_cmd",  # scaling sweep | fit | optimal
-    "densetrain.cli.plan_cmd",  # plan
-    "densetrain.cli.eval_cmd",  # eval perplexity | tasks, generate
-)
+_COMMAND_MODULES = {
+    "densetrain.cli.train_cmd": ("train",),
+    "densetrain.cli.data_cmd": ("data",),  # data train-tokenizer | prepare | inspect
+    "densetrain.cli.models_cmd": ("convert", "model-info"),
+    "densetrain.cli.scaling_cmd": ("scaling",),  # scaling sweep | fit | optimal
+    "densetrain.cli.plan_cmd": ("plan",),
+    "densetrain.cli.eval_cmd": ("eval", "generate"),  # eval perplexity | tasks, generate
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the top-level parser with every sub-command registered."""
+def _modules_for(argv: list[str]) -> list[str]:
+    """The command modules to register: only the named command's when argv names one (so that
+    one command does not pay for importing the others), else all (for help)."""
+    words = [a for a in argv if not a.startswith("-")]
+    named = [m for m, commands in _COMMAND_MODULES.items() if words and words[0] in commands]
+    return named or list(_COMMAND_MODULES)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """Return the top-level parser with the sub-commands of ``argv`` (default: all) registered."""
     parser = argparse.ArgumentParser(
         prog="densetrain",
         description="Pretrain dense decoder-only language models, from one CPU to many GPUs.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _COMMAND_MODULES:
+    # Registering reads configs (pure Python) but must not import torch: `--help` and `plan`
+    # never need it. The torch model is imported on first use.
+    from densetrain.planner.model_imports import defer_models_init
+
+    defer_models_init()
+    for name in _modules_for(argv) if argv is not None else _COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``densetrain`` console script."""
-    parser = build_parser()
+    parser = build_parser(sys.argv[1:] if argv is None else argv)
     args, extra = parser.parse_known_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -232,6 +232,26 @@ def config_reasons(parallel: Any) -> list[str]:
             if rule.name in CONFIG_RULES and rule.violated(parallel, None, None)]
 
 
+class _Reads(SimpleNamespace):
+    """A probe layout that records which fields a rule reads."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if not name.startswith("__"):
+            object.__getattribute__(self, "_seen").add(name)
+        return object.__getattribute__(self, name)
+
+
+def fields_read(rule: Rule, model: Any, run: RunShape) -> frozenset[str]:
+    """The layout fields ``rule`` reads (every predicate evaluates all its terms: ``&``, ``|``
+    and `_select` do not short-circuit), so that a search can apply it before expanding the
+    fields it does not read."""
+    probe = _Reads(_seen=set(), dp_replicate=1, dp_shard=1, dp=1, tp=1, pp=2, cp=1,
+                   zero_stage=3, sequence_parallel=False, pp_schedule="1f1b",
+                   pp_microbatches=0, pp_virtual_stages=1, micro_batch_size=1)
+    rule.violated(probe, model, run)
+    return frozenset(object.__getattribute__(probe, "_seen"))
+
+
 def _layer_split_reasons(parallel: Any, model: Any) -> list[str]:
     split = list(parallel.pp_layer_split)
     if not split:

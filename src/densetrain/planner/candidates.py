@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from densetrain.parallel.layout_check import RULES, RunShape
+from densetrain.parallel.layout_check import RULES, RunShape, fields_read
 from densetrain.planner.layout import AC_POLICIES, PP_SCHEDULES, LayoutColumns
 
 _SCHEDULE_NAMES = np.asarray(PP_SCHEDULES)
@@ -67,21 +67,16 @@ def _schedules(pp: int, space: SearchSpace) -> list[tuple[int, int]]:
     return out
 
 
-def _inner_options(dp: int, tp: int, cp: int, space: SearchSpace) -> np.ndarray:
-    """(zero, dp_replicate, dp_shard, sp, ac) rows for one outer layout."""
-    zero = [(0, dp, 1)] if 0 in space.zero_stages else []
-    zero += [(z, dp // d, d) for z in space.zero_stages if z > 0 for d in divisors(dp)
-             if d > 1 or (z == 3 and cp > 1)]
-    sps = (0, 1) if tp > 1 else (0,)
-    policies = [AC_POLICIES.index(p) for p in space.activation_checkpointing]
-    return np.array([(z, r, d, sp, ac) for (z, r, d), sp, ac
-                     in itertools.product(zero, sps, policies)], dtype=np.int64).reshape(-1, 5)
+_OUTER = ("tp", "pp", "cp", "micro_batch_size", "pp_schedule", "pp_virtual_stages", "dp")
+_INNER = ("zero_stage", "dp_replicate", "dp_shard", "sequence_parallel", "activation_checkpointing")
+_KEY = ("tp", "pp", "cp", "dp")
+_FIXED = ("pp_microbatches",)  # the search leaves it 0: microbatches = rank batch / mbs
 
 
-def all_layouts(num_layers: int, global_batch: int, devices: int,
-                space: SearchSpace) -> LayoutColumns:
-    """Every combination of the axes for ``devices`` (before the trainer's rules)."""
-    outer = []  # (tp, pp, cp, mbs, schedule, v, dp)
+def _outer_table(num_layers: int, global_batch: int, devices: int,
+                 space: SearchSpace) -> np.ndarray:
+    """Rows of (tp, pp, cp, mbs, schedule, v, dp) whose dp x mbs divides the batch."""
+    outer = []
     for tp, pp, cp in itertools.product(powers_of_two(min(space.max_tp, devices)),
                                         [p for p in divisors(devices) if p <= num_layers],
                                         powers_of_two(min(space.max_cp, devices))):
@@ -91,21 +86,93 @@ def all_layouts(num_layers: int, global_batch: int, devices: int,
         for mbs, (sched, v) in itertools.product(space.micro_batch_sizes, _schedules(pp, space)):
             if global_batch % (dp * mbs) == 0:
                 outer.append((tp, pp, cp, mbs, sched, v, dp))
-    rows, cache = [], {}
-    for tp, pp, cp, mbs, sched, v, dp in outer:
-        key = (dp, tp, cp)
-        if key not in cache:
-            cache[key] = _inner_options(dp, tp, cp, space)
-        inner = cache[key]
-        base = np.tile(np.array([tp, pp, cp, mbs, sched, v], dtype=np.int64), (len(inner), 1))
-        rows.append(np.concatenate([base, inner], axis=1))
-    table = np.concatenate(rows) if rows else np.zeros((0, 11), dtype=np.int64)
+    return np.array(outer, dtype=np.int64).reshape(-1, len(_OUTER))
+
+
+def _inner_table(dp: int, tp: int, cp: int, space: SearchSpace) -> np.ndarray:
+    """Rows of (zero, dp_replicate, dp_shard, sp, ac) for one (tp, cp, dp). Plain data
+    parallelism (zero 0) only without cp: with cp the trainer shards over cp (ZeRO-3)."""
+    zero = [(0, dp, 1)] if 0 in space.zero_stages and cp == 1 else []
+    zero += [(z, dp // d, d) for z in space.zero_stages if z > 0 for d in divisors(dp)
+             if d > 1 or (z == 3 and cp > 1)]
+    sps = (0, 1) if tp > 1 else (0,)
+    policies = [AC_POLICIES.index(p) for p in space.activation_checkpointing]
+    return np.array([(z, r, d, sp, ac) for (z, r, d), sp, ac
+                     in itertools.product(zero, sps, policies)],
+                    dtype=np.int64).reshape(-1, len(_INNER))
+
+
+def _columns(table: np.ndarray, names: tuple[str, ...]) -> LayoutColumns:
+    """``LayoutColumns`` of a table whose columns are ``names`` (dp derived, not stored)."""
+    col = {n: table[:, i] for i, n in enumerate(names)}
     return LayoutColumns(
-        tp=table[:, 0], pp=table[:, 1], cp=table[:, 2], micro_batch_size=table[:, 3],
-        pp_schedule=table[:, 4], pp_virtual_stages=table[:, 5], zero_stage=table[:, 6],
-        dp_replicate=table[:, 7], dp_shard=table[:, 8], sequence_parallel=table[:, 9].astype(bool),
-        activation_checkpointing=table[:, 10],
+        tp=col["tp"], pp=col["pp"], cp=col["cp"], micro_batch_size=col["micro_batch_size"],
+        pp_schedule=col["pp_schedule"], pp_virtual_stages=col["pp_virtual_stages"],
+        zero_stage=col["zero_stage"], dp_replicate=col["dp_replicate"],
+        dp_shard=col["dp_shard"], sequence_parallel=col["sequence_parallel"].astype(bool),
+        activation_checkpointing=col["activation_checkpointing"],
     )
+
+
+def _staged_rules(cfg, run: RunShape) -> tuple[list, list, list]:
+    """The rules split by what they read: outer fields only, (tp, pp, cp, dp) and the inner
+    fields only, and the rest (applied to the full rows)."""
+    outer, inner, rest = [], [], []
+    for rule in RULES:
+        reads = fields_read(rule, cfg, run) - set(_FIXED)
+        if reads <= set(_OUTER):
+            outer.append(rule)
+        elif reads <= set(_KEY) | set(_INNER):
+            inner.append(rule)
+        else:
+            rest.append(rule)
+    return outer, inner, rest
+
+
+def _passes(rules: list, fields: SimpleNamespace, cfg, run: RunShape, n: int) -> np.ndarray:
+    ok = np.ones(n, dtype=bool)
+    for rule in rules:
+        ok &= ~np.broadcast_to(np.asarray(rule.violated(fields, cfg, run), dtype=bool), (n,))
+    return ok
+
+
+def _probe_fields(table: np.ndarray, names: tuple[str, ...]) -> SimpleNamespace:
+    col = {n: table[:, i] for i, n in enumerate(names)}
+    if "dp" not in col:
+        col["dp"] = col["dp_replicate"] * col["dp_shard"]
+    if "pp_schedule" in col:
+        col["pp_schedule"] = _SCHEDULE_NAMES[col["pp_schedule"]]
+    if "zero_stage" in col:
+        col["zero_stage"] = np.where(col["zero_stage"] == 0, 3, col["zero_stage"])
+    if "sequence_parallel" in col:
+        col["sequence_parallel"] = col["sequence_parallel"].astype(bool)
+    return SimpleNamespace(**col, pp_microbatches=np.zeros(len(table), np.int64))
+
+
+def all_layouts(cfg, global_batch: int, devices: int, space: SearchSpace,
+                run: RunShape | None = None) -> LayoutColumns:
+    """Every combination of the axes for ``devices``; with ``run``, only those passing the
+    trainer's rules that read the outer or the inner fields alone (applied before the product
+    of the two, which is what keeps a search over thousands of devices fast)."""
+    outer = _outer_table(cfg.num_layers, global_batch, devices, space)
+    staged = _staged_rules(cfg, run) if run is not None else ([], [], [])
+    if run is not None and len(outer):
+        outer = outer[_passes(staged[0], _probe_fields(outer, _OUTER), cfg, run, len(outer))]
+    key_index = [_OUTER.index(k) for k in _KEY]
+    keys, inverse = np.unique(outer[:, key_index], axis=0, return_inverse=True)
+    blocks = []
+    for k, (tp, pp, cp, dp) in enumerate(keys.tolist()):
+        inner = _inner_table(dp, tp, cp, space)
+        if run is not None and len(inner):
+            probe = np.concatenate([np.tile([tp, pp, cp], (len(inner), 1)), inner], axis=1)
+            names = ("tp", "pp", "cp", *_INNER)
+            inner = inner[_passes(staged[1], _probe_fields(probe, names), cfg, run, len(inner))]
+        rows = outer[inverse.reshape(-1) == k][:, :-1]  # drop dp: the inner split holds it
+        blocks.append(np.concatenate([np.repeat(rows, len(inner), axis=0),
+                                      np.tile(inner, (len(rows), 1))], axis=1))
+    width = len(_OUTER) - 1 + len(_INNER)
+    table = np.concatenate(blocks) if blocks else np.zeros((0, width), dtype=np.int64)
+    return _columns(table, _OUTER[:-1] + _INNER)
 
 
 def trainer_fields(cols: LayoutColumns) -> SimpleNamespace:
@@ -129,20 +196,19 @@ def rule_violations(cols: LayoutColumns, cfg, run: RunShape) -> dict[str, np.nda
 def runnable_layouts(cfg, seq_len: int, global_batch: int, devices: int, space: SearchSpace,
                      *, compile: bool = False) -> tuple[LayoutColumns, str | None]:
     """The layouts the trainer runs, and when there are none a sentence saying why."""
-    cols = all_layouts(cfg.num_layers, global_batch, devices, space)
     run = RunShape(seq_len=seq_len, global_batch_size=global_batch, world_size=devices,
                    compile=compile)
-    if len(cols) == 0:
-        return cols, (f"global batch {global_batch} sequences cannot be split: no layout of "
-                      f"{devices} devices leaves a data-parallel degree x micro-batch size "
-                      f"{space.micro_batch_sizes} that divides it")
-    violations = rule_violations(cols, cfg, run)
-    ok = np.ones(len(cols), dtype=bool)
-    for broken in violations.values():
-        ok &= ~broken
+    cols = all_layouts(cfg, global_batch, devices, space, run)
+    ok = _passes(list(RULES), trainer_fields(cols), cfg, run, len(cols))
     if ok.any():
         return cols.take(ok), None
-    return cols.take(ok), _explain(cols, violations, cfg, run, devices)
+    everything = all_layouts(cfg, global_batch, devices, space)
+    if len(everything) == 0:
+        return everything, (f"global batch {global_batch} sequences cannot be split: no layout "
+                            f"of {devices} devices leaves a data-parallel degree x micro-batch "
+                            f"size {space.micro_batch_sizes} that divides it")
+    return cols.take(ok), _explain(everything, rule_violations(everything, cfg, run), cfg, run,
+                                   devices)
 
 
 def _explain(cols: LayoutColumns, violations: dict[str, np.ndarray], cfg, run: RunShape,
