@@ -42,6 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-cp", type=int, default=16)
     p.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     p.add_argument("--list-clusters", action="store_true", help="print the cluster table")
+    p.add_argument("--emit-config", default=None, metavar="OUT.toml",
+                   help="write the winner as a job config that `densetrain train OUT.toml` runs")
     p.set_defaults(func=run_plan_command)
 
 
@@ -68,6 +70,18 @@ def _load_model(spec: str):
     from densetrain.models.presets import get_preset
 
     return get_preset(spec)
+
+
+def _emit(args: argparse.Namespace, result) -> None:
+    from pathlib import Path
+
+    from densetrain.planner.emit import emit_config
+
+    is_file = Path(args.model).suffix in (".toml", ".json") or Path(args.model).exists()
+    path = emit_config(args.emit_config, result.cfg, result.layout(0), seq_len=result.seq_len,
+                       global_batch=result.global_batch, preset=None if is_file else args.model)
+    print(f"\nwrote {path}: densetrain train {path} runs the winner on {result.devices} "
+          "processes (torchrun --nproc-per-node ...)")
 
 
 def _print_clusters(extra) -> None:
@@ -114,6 +128,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
             raise ValueError("--model is required without --flops (a preset name or a file)")
         result = search(_load_model(args.model), **common)
         print(full_report(result, top=args.top))
+        if args.emit_config:
+            _emit(args, result)
         return 0
     except NoFeasibleLayoutError as e:
         print(f"no feasible layout: {e}", file=sys.stderr)
