@@ -34,8 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--devices", type=int, default=None, help="number of accelerators")
     p.add_argument("--precision", default="bf16-mixed",
                    help="bf16-mixed (ZeRO paper's 2+2+12 bytes), fsdp2-bf16, fp32")
-    p.add_argument("--efficiency", type=float, default=0.6,
-                   help="share of peak FLOP/s the matmuls reach (default 0.6)")
+    p.add_argument("--efficiency", type=float, default=None,
+                   help="share of peak FLOP/s a large GEMM reaches (default: the cluster's "
+                   "measured figure)")
     p.add_argument("--no-flash", action="store_true",
                    help="attention stores the s x s scores (no FlashAttention)")
     p.add_argument("--max-tp", type=int, default=64)

@@ -129,8 +129,11 @@ class PlanSettings:
 
     precision: str = "bf16-mixed"
     """A key of ``PRECISIONS``."""
-    compute_efficiency: float = 0.6
-    """Share of peak FLOP/s that the matmuls reach (the rest of the step is modelled apart)."""
+    compute_efficiency: float | None = None
+    """Share of peak FLOP/s a large GEMM reaches; None takes the cluster's measured figure."""
+    tp_overlap: float = 0.0
+    """Share of tensor-parallel communication hidden behind compute (0: none, as in eager
+    PyTorch; async-TP / Megatron's comm overlap hide part of it)."""
     flash_attention: bool = True
     """Attention that never stores the s x s scores (FlashAttention / SDPA)."""
     attention_dropout: bool = False
@@ -149,8 +152,10 @@ class PlanSettings:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, "
                              f"got {self.precision!r}")
-        if not 0 < self.compute_efficiency <= 1:
+        if self.compute_efficiency is not None and not 0 < self.compute_efficiency <= 1:
             raise ValueError(f"compute_efficiency must be in (0, 1], got {self.compute_efficiency}")
+        if not 0 <= self.tp_overlap <= 1:
+            raise ValueError(f"tp_overlap must be in [0, 1], got {self.tp_overlap}")
         if not 0 < self.usable_memory_fraction <= 1:
             raise ValueError("usable_memory_fraction must be in (0, 1], "
                              f"got {self.usable_memory_fraction}")

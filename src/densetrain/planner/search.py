@@ -68,12 +68,14 @@ def evaluate(cfg: ModelConfig, seq_len: int, global_batch: int, cols: LayoutColu
 
 
 def evaluate_layout(cfg: ModelConfig, seq_len: int, global_batch: int, layout: Layout,
-                    cluster: ClusterSpec, settings: PlanSettings | None = None) -> dict[str, float]:
+                    cluster: ClusterSpec, settings: PlanSettings | None = None, *,
+                   trainer_rules: bool = True) -> dict[str, float]:
     """Every metric of one layout (``ValueError`` if the trainer cannot run it: the reasons of
-    ``parallel.layout_check.check_layout``)."""
+    ``parallel.layout_check.check_layout``). ``trainer_rules=False`` models a layout another
+    system ran (a published one) without asking whether densetrain's trainer runs it."""
     layout.num_microbatches(global_batch)
     problems = layout_problems(cfg, layout, seq_len=seq_len, global_batch=global_batch)
-    if problems:
+    if problems and trainer_rules:
         raise ValueError("layout: " + "; ".join(problems))
     cols = LayoutColumns.from_layouts([layout])
     out = evaluate(cfg, seq_len, global_batch, cols, cluster, settings or PlanSettings())

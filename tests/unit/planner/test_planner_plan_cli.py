@@ -55,7 +55,8 @@ def test_cli_infeasible_request_says_why(capsys):
 def test_cli_custom_cluster_file_and_listing(tmp_path, capsys):
     path = tmp_path / "mine.toml"
     path.write_text("[clusters.mygpu]\npeak_tflops = 400\nmemory_gb = 64\nhbm_tb_s = 2\n"
-                    "devices_per_node = 4\nintra_node_gb_s = 100\ninter_node_gb_s = 25\n")
+                    "devices_per_node = 4\nintra_node_gb_s = 100\ninter_node_gb_s = 25\n"
+                    "gemm_efficiency = 0.8\ngemm_half_dim = 128\nattention_efficiency = 0.4\n")
     assert main(["plan", "--list-clusters", "--cluster-file", str(path)]) == 0
     assert "mygpu" in capsys.readouterr().out
     assert main(["plan", "--model", "gpt2-124m", "--cluster", "mygpu", "--cluster-file",
