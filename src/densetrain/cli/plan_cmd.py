@@ -43,6 +43,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-cp", type=int, default=16)
     p.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     p.add_argument("--list-clusters", action="store_true", help="print the cluster table")
+    p.add_argument("--calibrate", default=None, metavar="OUT.toml",
+                   help="measure this machine (GEMM sweep, memory bandwidth, gloo all-reduce "
+                   "between local ranks) and write it as cluster 'this-machine'")
+    p.add_argument("--calibrate-ranks", type=int, default=2,
+                   help="local processes for the collective measurement (default 2)")
     p.add_argument("--emit-config", default=None, metavar="OUT.toml",
                    help="write the winner as a job config that `densetrain train OUT.toml` runs")
     p.set_defaults(func=run_plan_command)
@@ -71,6 +76,20 @@ def _load_model(spec: str):
     from densetrain.models.presets import get_preset
 
     return get_preset(spec)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from densetrain.planner.calibrate import calibrate
+
+    try:
+        path, entry = calibrate(args.calibrate, ranks=args.calibrate_ranks)
+    except RuntimeError as e:
+        print(f"calibration failed: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}: " + ", ".join(f"{k} {v:.4g}" for k, v in entry.items()
+                                        if not isinstance(v, str)))
+    print(f"use it with: densetrain plan --cluster-file {path} --cluster this-machine ...")
+    return 0
 
 
 def _emit(args: argparse.Namespace, result) -> None:
@@ -110,6 +129,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
         if args.list_clusters:
             _print_clusters(extra)
             return 0
+        if args.calibrate:
+            return _calibrate(args)
         if args.devices is None:
             raise ValueError("--devices is required (number of accelerators)")
         cluster = get_cluster(args.cluster, extra)
