@@ -160,14 +160,19 @@ def all_layouts(cfg, global_batch: int, devices: int, space: SearchSpace,
         outer = outer[_passes(staged[0], _probe_fields(outer, _OUTER), cfg, run, len(outer))]
     key_index = [_OUTER.index(k) for k in _KEY]
     keys, inverse = np.unique(outer[:, key_index], axis=0, return_inverse=True)
-    blocks = []
+    order = np.argsort(inverse.reshape(-1), kind="stable")
+    groups = np.split(order, np.cumsum(np.bincount(inverse.reshape(-1),
+                                                   minlength=len(keys)))[:-1])
+    blocks, tables = [], {}
     for k, (tp, pp, cp, dp) in enumerate(keys.tolist()):
-        inner = _inner_table(dp, tp, cp, space)
+        if (dp, tp, cp) not in tables:
+            tables[dp, tp, cp] = _inner_table(dp, tp, cp, space)
+        inner = tables[dp, tp, cp]
         if run is not None and len(inner):
             probe = np.concatenate([np.tile([tp, pp, cp], (len(inner), 1)), inner], axis=1)
             names = ("tp", "pp", "cp", *_INNER)
             inner = inner[_passes(staged[1], _probe_fields(probe, names), cfg, run, len(inner))]
-        rows = outer[inverse.reshape(-1) == k][:, :-1]  # drop dp: the inner split holds it
+        rows = outer[groups[k]][:, :-1]  # drop dp: the inner split holds it
         blocks.append(np.concatenate([np.repeat(rows, len(inner), axis=0),
                                       np.tile(inner, (len(rows), 1))], axis=1))
     width = len(_OUTER) - 1 + len(_INNER)
