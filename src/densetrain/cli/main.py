@@ -23,15 +23,15 @@ DEBUG_FLAG = "--debug"
 EXIT_USER_ERROR = 2
 EXIT_INTERNAL_ERROR = 1
 
-_COMMAND_MODULES = (
-    "densetrain.cli.train_cmd",  # train
-    "densetrain.cli.data_cmd",  # data train-tokenizer | prepare | inspect
-    "densetrain.cli.models_cmd",  # convert, model-info, presets
-    "densetrain.cli.export_cmd",  # export
-    "densetrain.cli.scaling_cmd",  # scaling sweep | fit | optimal
-    "densetrain.cli.plan_cmd",  # plan
-    "densetrain.cli.eval_cmd",  # eval perplexity | tasks, generate
-)
+_COMMAND_MODULES = {
+    "densetrain.cli.train_cmd": ("train",),
+    "densetrain.cli.data_cmd": ("data",),  # data train-tokenizer | prepare | inspect | verify
+    "densetrain.cli.models_cmd": ("convert", "model-info", "presets"),
+    "densetrain.cli.export_cmd": ("export",),
+    "densetrain.cli.scaling_cmd": ("scaling",),  # scaling sweep | fit | optimal
+    "densetrain.cli.plan_cmd": ("plan",),
+    "densetrain.cli.eval_cmd": ("eval", "generate"),  # eval perplexity | tasks, generate
+}
 
 
 def _version() -> str:
@@ -43,8 +43,16 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the top-level parser with every sub-command registered."""
+def _modules_for(argv: list[str]) -> list[str]:
+    """The command modules to register: only the named command's when argv names one (so that
+    one command does not pay for importing the others), else all (for help)."""
+    words = [a for a in argv if not a.startswith("-")]
+    named = [m for m, commands in _COMMAND_MODULES.items() if words and words[0] in commands]
+    return named or list(_COMMAND_MODULES)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """Return the top-level parser with the sub-commands of ``argv`` (default: all) registered."""
     parser = argparse.ArgumentParser(
         prog="densetrain",
         description="Pretrain dense decoder-only language models, from one CPU to many GPUs.",
@@ -54,7 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"densetrain {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _COMMAND_MODULES:
+    # Registering reads configs (pure Python) but must not import torch: `--help` and `plan`
+    # never need it. The torch model is imported on first use.
+    from densetrain.planner.model_imports import defer_models_init
+
+    defer_models_init()
+    for name in _modules_for(argv) if argv is not None else _COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser
 
@@ -87,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = DEBUG_FLAG in argv
     argv = [a for a in argv if a != DEBUG_FLAG]
-    parser = build_parser()
+    parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -38,14 +38,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--devices", type=int, default=None, help="number of accelerators")
     p.add_argument("--precision", default="bf16-mixed",
                    help="bf16-mixed (ZeRO paper's 2+2+12 bytes), fsdp2-bf16, fp32")
-    p.add_argument("--efficiency", type=float, default=0.6,
-                   help="share of peak FLOP/s the matmuls reach (default 0.6)")
+    p.add_argument("--efficiency", type=float, default=None,
+                   help="share of peak FLOP/s a large GEMM reaches (default: the cluster's "
+                   "measured figure)")
     p.add_argument("--no-flash", action="store_true",
                    help="attention stores the s x s scores (no FlashAttention)")
     p.add_argument("--max-tp", type=int, default=64)
     p.add_argument("--max-cp", type=int, default=16)
     p.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     p.add_argument("--list-clusters", action="store_true", help="print the cluster table")
+    p.add_argument("--calibrate", default=None, metavar="OUT.toml",
+                   help="measure this machine (GEMM sweep, memory bandwidth, gloo all-reduce "
+                   "between local ranks) and write it as cluster 'this-machine'")
+    p.add_argument("--calibrate-ranks", type=int, default=2,
+                   help="local processes for the collective measurement (default 2)")
+    p.add_argument("--emit-config", default=None, metavar="OUT.toml",
+                   help="write the winner as a job config that `densetrain train OUT.toml` runs")
     p.set_defaults(func=run_plan_command)
 
 
@@ -74,6 +82,32 @@ def _load_model(spec: str):
     return get_preset(spec)
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from densetrain.planner.calibrate import calibrate
+
+    try:
+        path, entry = calibrate(args.calibrate, ranks=args.calibrate_ranks)
+    except RuntimeError as e:
+        print(f"calibration failed: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}: " + ", ".join(f"{k} {v:.4g}" for k, v in entry.items()
+                                        if not isinstance(v, str)))
+    print(f"use it with: densetrain plan --cluster-file {path} --cluster this-machine ...")
+    return 0
+
+
+def _emit(args: argparse.Namespace, result) -> None:
+    from pathlib import Path
+
+    from densetrain.planner.emit import emit_config
+
+    is_file = Path(args.model).suffix in (".toml", ".json") or Path(args.model).exists()
+    path = emit_config(args.emit_config, result.cfg, result.layout(0), seq_len=result.seq_len,
+                       global_batch=result.global_batch, preset=None if is_file else args.model)
+    print(f"\nwrote {path}: densetrain train {path} runs the winner on {result.devices} "
+          "processes (torchrun --nproc-per-node ...)")
+
+
 def _print_clusters(extra) -> None:
     from densetrain.planner.hardware import BUILTIN_CLUSTERS
 
@@ -99,6 +133,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
         if args.list_clusters:
             _print_clusters(extra)
             return 0
+        if args.calibrate:
+            return _calibrate(args)
         if args.devices is None:
             raise ValueError("--devices is required (number of accelerators)")
         cluster = get_cluster(args.cluster, extra)
@@ -121,6 +157,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
             raise ValueError("--model is required without --flops (a preset name or a file)")
         result = search(_load_model(args.model), **common)
         print(full_report(result, top=args.top))
+        if args.emit_config:
+            _emit(args, result)
         return 0
     except NoFeasibleLayoutError as e:
         print(f"no feasible layout: {e}", file=sys.stderr)

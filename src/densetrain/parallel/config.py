@@ -3,8 +3,8 @@
 The degrees name the axes of one device mesh (outermost first):
 ``pp × dp_replicate × dp_shard × cp × tp``. ``dp_shard = -1`` takes whatever the other degrees
 leave of the world size. Validation against the world size and the model lives in
-``parallel/mesh.py`` (``ParallelDims``); ``validate()`` here checks only what the config alone
-can tell.
+``parallel/layout_check.py`` (``check_layout``, the one set of layout rules); ``validate()`` here
+checks only what the config alone can tell.
 """
 
 from __future__ import annotations
@@ -92,22 +92,11 @@ class ParallelConfig:
             raise ValueError(
                 f"parallel.pp_microbatches must be >= 0 (0 = pp), got {self.pp_microbatches!r}"
             )
-        interleaved = self.pp_schedule in ("interleaved_1f1b", "zero_bubble", "zbv")
-        if self.pp_virtual_stages > 1 and not interleaved:
-            raise ValueError(
-                f"parallel.pp_virtual_stages={self.pp_virtual_stages} needs an interleaved "
-                f"pp_schedule (interleaved_1f1b, zero_bubble, zbv), got {self.pp_schedule!r}"
-            )
-        if self.pp_schedule == "zbv" and self.pp_virtual_stages != 2:
-            raise ValueError(
-                'parallel.pp_schedule="zbv" runs exactly 2 stages per rank; set '
-                f"pp_virtual_stages=2 (got {self.pp_virtual_stages})"
-            )
-        if self.pp > 1 and self.pp_schedule != "gpipe" and 0 < self.pp_microbatches < self.pp:
-            raise ValueError(
-                f"parallel.pp_microbatches={self.pp_microbatches} must be >= pp={self.pp} for "
-                f"pp_schedule={self.pp_schedule!r} (only gpipe runs fewer microbatches than stages)"
-            )
+        from densetrain.parallel.layout_check import config_reasons
+
+        problems = config_reasons(self)
+        if problems:
+            raise ValueError(problems[0])
         if not isinstance(self.pp_layer_split, list) or any(
             isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.pp_layer_split
         ):

@@ -1,5 +1,14 @@
 """densetrain.planner: memory, FLOPs, communication and step-time models of parallel layouts,
-and a search that ranks every layout that fits (see docs/planner.md)."""
+and a search that ranks every layout that fits (see docs/planner.md).
+
+The planner runs without torch: it reads model configs and counts only (``model_imports``).
+"""
+
+from densetrain.planner.model_imports import defer_models_init
+
+defer_models_init()
+
+# ruff: noqa: E402  (the deferral must run before the imports that reach densetrain.models)
 
 from densetrain.planner.hardware import (
     BUILTIN_CLUSTERS,

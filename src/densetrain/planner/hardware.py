@@ -15,6 +15,11 @@ Custom entries are read from a TOML or JSON file with one table per cluster::
     devices_per_node = 8
     intra_node_gb_s = 300      # per device, per direction
     inter_node_gb_s = 25
+    gemm_efficiency = 0.8      # share of peak of a large GEMM
+    gemm_half_dim = 128        # smallest GEMM side at which efficiency halves
+    attention_efficiency = 0.4 # share of peak of fused attention (forward + backward)
+
+``densetrain plan --calibrate`` measures these on the machine it runs on and writes such a file.
 """
 
 from __future__ import annotations
@@ -50,6 +55,12 @@ class ClusterSpec:
     """Per-device, per-direction bandwidth inside a node."""
     inter_node_bytes_per_s: float
     """Per-device, per-direction bandwidth between nodes."""
+    gemm_efficiency: float = 0.8
+    """Share of peak a large, well-shaped bf16 GEMM reaches (measured maximum achievable)."""
+    gemm_half_dim: float = 128.0
+    """Smallest GEMM dimension at which efficiency is half of ``gemm_efficiency``."""
+    attention_efficiency: float = 0.4
+    """Share of peak the fused attention kernel reaches (forward + backward)."""
     intra_node_latency_s: float = 5e-6
     inter_node_latency_s: float = 15e-6
     description: str = ""
@@ -61,6 +72,9 @@ class ClusterSpec:
             "hbm_bytes_per_s",
             "intra_node_bytes_per_s",
             "inter_node_bytes_per_s",
+            "gemm_efficiency",
+            "gemm_half_dim",
+            "attention_efficiency",
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
@@ -70,14 +84,19 @@ class ClusterSpec:
                 f"cluster {self.name!r}: devices_per_node must be a positive integer, "
                 f"got {self.devices_per_node!r}"
             )
+        for name in ("gemm_efficiency", "attention_efficiency"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"cluster {self.name!r}: {name} must be <= 1 (a share of peak)")
         for name in ("intra_node_latency_s", "inter_node_latency_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"cluster {self.name!r}: {name} must be >= 0")
 
 
 def _gpu(name: str, tflops: float, mem_gb: float, hbm_tb_s: float, nvlink: float, net: float,
-         description: str) -> ClusterSpec:
+         description: str, *, gemm: float, attention: float) -> ClusterSpec:
     return ClusterSpec(
+        gemm_efficiency=gemm,
+        attention_efficiency=attention,
         name=name,
         peak_flops=tflops * 1e12,
         memory_bytes=mem_gb * GB,
@@ -92,13 +111,24 @@ def _gpu(name: str, tflops: float, mem_gb: float, hbm_tb_s: float, nvlink: float
 # NVLink figures are the data sheets' bidirectional totals halved (A100 600 -> 300 GB/s,
 # H100/H200 900 -> 450 GB/s); the network is one NIC per GPU (HDR 200 Gb/s = 25 GB/s for
 # DGX A100, NDR 400 Gb/s = 50 GB/s for DGX H100/H200).
+# GEMM efficiency: the measured maximum achievable bf16 matmul FLOP/s over the data-sheet peak
+# (S. Bekman, "Machine Learning Engineering", compute/accelerator, MAMF table: A100 SXM 271.2 of
+# 312 = 86.9%, H100 SXM 792.1 of 989 = 80.1%, GH200 (the H200's HBM3e) 828.6 of 989 = 83.6%).
+# Attention efficiency: FlashAttention-2 (the kernel behind torch SDPA's flash path) reaches
+# 50-73% of peak forward and up to 63% backward on A100 (Dao 2023, sec. 4.1); on H100 it reaches
+# 35% (Shah et al. 2024, FlashAttention-3, sec. 1). Forward + backward: 0.6 on A100, 0.35 on
+# H100/H200.
 BUILTIN_CLUSTERS: dict[str, ClusterSpec] = {
     c.name: c
     for c in (
-        _gpu("a100-40gb", 312, 40, 1.555, 300, 25, "NVIDIA A100 SXM 40GB, 8 per node, HDR IB"),
-        _gpu("a100-80gb", 312, 80, 2.039, 300, 25, "NVIDIA A100 SXM 80GB, 8 per node, HDR IB"),
-        _gpu("h100-80gb", 989, 80, 3.35, 450, 50, "NVIDIA H100 SXM 80GB, 8 per node, NDR IB"),
-        _gpu("h200-141gb", 989, 141, 4.8, 450, 50, "NVIDIA H200 SXM 141GB, 8 per node, NDR IB"),
+        _gpu("a100-40gb", 312, 40, 1.555, 300, 25, "NVIDIA A100 SXM 40GB, 8 per node, HDR IB",
+             gemm=0.869, attention=0.6),
+        _gpu("a100-80gb", 312, 80, 2.039, 300, 25, "NVIDIA A100 SXM 80GB, 8 per node, HDR IB",
+             gemm=0.869, attention=0.6),
+        _gpu("h100-80gb", 989, 80, 3.35, 450, 50, "NVIDIA H100 SXM 80GB, 8 per node, NDR IB",
+             gemm=0.801, attention=0.35),
+        _gpu("h200-141gb", 989, 141, 4.8, 450, 50, "NVIDIA H200 SXM 141GB, 8 per node, NDR IB",
+             gemm=0.836, attention=0.35),
         # TPU v4 (Cloud TPU data sheet: 275 TFLOP/s bf16, 32 GiB HBM at 1.2 TB/s, ICI 2400 Gb/s
         # per chip over 6 links; a ring along one torus axis uses 2 links = 100 GB/s). The "node"
         # is one 4096-chip pod (one ICI domain); pods talk over the data-centre network, which
@@ -112,6 +142,9 @@ BUILTIN_CLUSTERS: dict[str, ClusterSpec] = {
             devices_per_node=4096,
             intra_node_bytes_per_s=100 * GB,
             inter_node_bytes_per_s=3.3 * GB,
+            # No published matmul-efficiency measurement: taken as the A100's; an assumption.
+            gemm_efficiency=0.869,
+            attention_efficiency=0.6,
             description="TPU v4-like: 4096-chip ICI pods joined by the data-centre network",
         ),
     )
@@ -125,12 +158,15 @@ _FILE_FIELDS = {
     "devices_per_node": ("devices_per_node", 1),
     "intra_node_gb_s": ("intra_node_bytes_per_s", GB),
     "inter_node_gb_s": ("inter_node_bytes_per_s", GB),
+    "gemm_efficiency": ("gemm_efficiency", 1),
+    "gemm_half_dim": ("gemm_half_dim", 1),
+    "attention_efficiency": ("attention_efficiency", 1),
     "intra_node_latency_us": ("intra_node_latency_s", 1e-6),
     "inter_node_latency_us": ("inter_node_latency_s", 1e-6),
     "description": ("description", None),
 }
 _REQUIRED = ("peak_tflops", "memory_gb", "hbm_tb_s", "devices_per_node", "intra_node_gb_s",
-             "inter_node_gb_s")
+             "inter_node_gb_s", "gemm_efficiency", "gemm_half_dim", "attention_efficiency")
 
 
 def load_cluster_file(path: str | Path) -> dict[str, ClusterSpec]:

@@ -13,8 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-AC_POLICIES = ("none", "selective", "full")
+from densetrain.parallel.config import ACTIVATION_CHECKPOINTING, PP_SCHEDULES
+from densetrain.parallel.layout_check import INTERLEAVED_SCHEDULES
+
+AC_POLICIES = ACTIVATION_CHECKPOINTING
+"""The trainer's activation-checkpointing policies (``parallel.checkpointing``)."""
+__all__ = ["AC_POLICIES", "PP_SCHEDULES", "PRECISIONS", "Layout", "LayoutColumns", "PlanSettings"]
 
 PRECISIONS: dict[str, tuple[int, int, int, int]] = {
     # name: (param bytes, grad bytes, optimizer-state bytes, bytes per gathered/communicated param)
@@ -60,8 +64,9 @@ class Layout:
             raise ValueError(f"layout.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.zero_stage == 0 and self.dp_shard != 1:
             raise ValueError("layout.zero_stage=0 (plain data parallel) needs dp_shard=1")
-        if self.pp_virtual_stages > 1 and self.pp_schedule != "interleaved_1f1b":
-            raise ValueError("layout.pp_virtual_stages > 1 needs pp_schedule='interleaved_1f1b'")
+        if self.pp_virtual_stages > 1 and self.pp_schedule not in INTERLEAVED_SCHEDULES:
+            raise ValueError(f"layout.pp_virtual_stages > 1 needs an interleaved pp_schedule "
+                             f"{INTERLEAVED_SCHEDULES}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("layout.sequence_parallel needs tp > 1")
 
@@ -98,14 +103,19 @@ class Layout:
                 f"mbs{self.micro_batch_size}")
 
     def to_parallel_config(self) -> dict[str, object]:
-        """The matching ``[parallel]`` section fields (``ParallelConfig`` names)."""
+        """The matching ``[parallel]`` section fields (``ParallelConfig`` names).
+
+        Plain data parallelism (``zero_stage=0``) is ``dp_shard=1`` with ``zero_stage=3``: the
+        trainer then replicates (DDP) or, on one data-parallel rank, runs unsharded; stage 3 is
+        what it composes with pipelines.
+        """
         return {
             "dp_replicate": self.dp_replicate,
             "dp_shard": self.dp_shard,
             "tp": self.tp,
             "pp": self.pp,
             "cp": self.cp,
-            "zero_stage": max(self.zero_stage, 1),
+            "zero_stage": self.zero_stage or 3,
             "sequence_parallel": self.sequence_parallel,
             "pp_schedule": self.pp_schedule,
             "pp_virtual_stages": self.pp_virtual_stages,
@@ -119,8 +129,11 @@ class PlanSettings:
 
     precision: str = "bf16-mixed"
     """A key of ``PRECISIONS``."""
-    compute_efficiency: float = 0.6
-    """Share of peak FLOP/s that the matmuls reach (the rest of the step is modelled apart)."""
+    compute_efficiency: float | None = None
+    """Share of peak FLOP/s a large GEMM reaches; None takes the cluster's measured figure."""
+    tp_overlap: float = 0.0
+    """Share of tensor-parallel communication hidden behind compute (0: none, as in eager
+    PyTorch; async-TP / Megatron's comm overlap hide part of it)."""
     flash_attention: bool = True
     """Attention that never stores the s x s scores (FlashAttention / SDPA)."""
     attention_dropout: bool = False
@@ -139,8 +152,10 @@ class PlanSettings:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, "
                              f"got {self.precision!r}")
-        if not 0 < self.compute_efficiency <= 1:
+        if self.compute_efficiency is not None and not 0 < self.compute_efficiency <= 1:
             raise ValueError(f"compute_efficiency must be in (0, 1], got {self.compute_efficiency}")
+        if not 0 <= self.tp_overlap <= 1:
+            raise ValueError(f"tp_overlap must be in [0, 1], got {self.tp_overlap}")
         if not 0 < self.usable_memory_fraction <= 1:
             raise ValueError("usable_memory_fraction must be in (0, 1], "
                              f"got {self.usable_memory_fraction}")

@@ -22,8 +22,9 @@ from densetrain.models.config import ModelConfig
 from densetrain.planner.layout import AC_POLICIES, PP_SCHEDULES, LayoutColumns, PlanSettings
 from densetrain.planner.params import sharded_params
 
-AC_NONE, AC_SELECTIVE, AC_FULL = (AC_POLICIES.index(p) for p in AC_POLICIES)
-GPIPE, ONE_F_ONE_B, INTERLEAVED = (PP_SCHEDULES.index(s) for s in PP_SCHEDULES)
+AC_NONE, AC_SELECTIVE, AC_FULL = (AC_POLICIES.index(p) for p in ("none", "selective", "full"))
+GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, ZBV = (
+    PP_SCHEDULES.index(s) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"))
 
 
 def zero_model_state_bytes(num_params, shard, stage, param_bytes, grad_bytes, optim_bytes):
@@ -83,6 +84,9 @@ def in_flight_layers(num_layers_stage, pp, schedule, virtual_stages, microbatche
 
     1F1B keeps min(pp, m) microbatches of its layers, GPipe all m, interleaved 1F1B
     pp (1 + (pp-1)/(pp v)) (Korthikanti et al. 2022, sec. 4.2.3); without a pipeline, one.
+    The interleaved zero-bubble schedule runs interleaved 1F1B's warm-up, so it peaks as it
+    does; ZB-V (two stages per rank in a V) peaks as 1F1B does (Qi et al. 2024, "Pipeline
+    Parallelism with Controllable Memory", sec. 3: the V shape keeps 1F1B's activation memory).
     """
     pp = np.asarray(pp, dtype=np.float64)
     m = np.asarray(microbatches, dtype=np.float64)
@@ -90,7 +94,7 @@ def in_flight_layers(num_layers_stage, pp, schedule, virtual_stages, microbatche
     layers = np.asarray(num_layers_stage, dtype=np.float64)
     one_f = np.minimum(pp, m)
     factor = np.select(
-        [pp == 1, schedule == GPIPE, schedule == INTERLEAVED],
+        [pp == 1, schedule == GPIPE, (schedule == INTERLEAVED) | (schedule == ZERO_BUBBLE)],
         [1.0, m, pp * (1 + (pp - 1) / (pp * v))],
         default=one_f,
     )

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from densetrain.models.config import ModelConfig
+from densetrain.parallel.layout_check import RULES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,16 +55,18 @@ class ShardedParams:
         return self.stage_params(1)[0]
 
 
+_TP_RULES = ("tp_divides_heads", "tp_and_kv_heads", "tp_divides_ffn")
+
+
 def check_tensor_parallel(cfg: ModelConfig, tp: int) -> str | None:
-    """Why ``tp`` cannot shard ``cfg`` (a sentence), or None when it can."""
+    """Why ``tp`` cannot split ``cfg``'s weights (the shape rules of
+    ``parallel.layout_check``), or None when it can."""
     if tp < 1:
         return f"tp must be >= 1, got {tp}"
-    if cfg.num_heads % tp:
-        return f"tp={tp} must divide num_heads={cfg.num_heads}"
-    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
-        return f"tp={tp} must divide num_kv_heads={cfg.num_kv_heads} or be a multiple of it"
-    if cfg.ffn_dim % tp:
-        return f"tp={tp} must divide ffn_dim={cfg.ffn_dim}"
+    layout = SimpleNamespace(tp=tp)
+    for rule in RULES:
+        if rule.name in _TP_RULES and rule.violated(layout, cfg, None):
+            return rule.reason(layout, cfg, None)
     return None
 
 

@@ -1,14 +1,19 @@
-"""Predicted step time: compute at an efficiency, exposed communication, pipeline bubble.
+"""Predicted step time: per-operation compute, exposed communication, pipeline bubble.
 
-- Compute: hardware FLOPs of the busiest device / (peak x ``compute_efficiency``). The busiest
-  device is on the busiest pipeline stage (``compute.stage_imbalance``).
-- Tensor-parallel and pipeline point-to-point traffic sit on the critical path (not overlapped).
+- Compute: GEMMs by shape, attention and memory-bound element-wise work of the busiest device
+  (``ops.compute_columns``).
+- Tensor-parallel traffic sits on the critical path except ``PlanSettings.tp_overlap`` of it;
+  pipeline point-to-point traffic is exposed.
 - Context-parallel ring traffic overlaps the attention it feeds; only the excess shows.
 - Data-parallel traffic overlaps compute where the schedule allows: gradient reductions that run
   once a step hide behind the last microbatch's backward (2/3 of it), per-microbatch
   reduce-scatters behind each backward, parameter all-gathers behind a forward (1/3).
-- Pipeline bubble: (pp - 1) / (v m) of the per-device busy time (GPipe and 1F1B: v = 1;
-  interleaved 1F1B: v virtual stages; Narayanan et al. 2021).
+- Pipeline bubble, per schedule, as a share of the per-device busy time: GPipe and 1F1B
+  (p - 1) / m (the same idle slots; 1F1B only holds fewer activations, Narayanan et al. 2021
+  sec. 2.2.1); interleaved 1F1B (p - 1) / (v m) (sec. 2.2.2); the interleaved zero-bubble
+  schedule a third of interleaved 1F1B's (Qi et al. 2023, ZB-H1: backward split into input and
+  weight gradients fills (T_F + T_B - T_W) of each (T_F + T_B + T_W) slot, a third with equal
+  thirds); ZB-V none once m >= 2p - 1 (Qi et al. 2023 sec. 4), else ZB-H1's.
 - Optimizer step: HBM traffic of the locally updated parameters.
 """
 
@@ -17,14 +22,10 @@ from __future__ import annotations
 import numpy as np
 
 from densetrain.models.config import ModelConfig
-from densetrain.planner.compute import (
-    attention_core_flops_per_token,
-    model_flops_per_token,
-    recompute_flops_per_token,
-    stage_imbalance,
-)
+from densetrain.planner.compute import model_flops_per_token, recompute_flops_per_token
 from densetrain.planner.hardware import ClusterSpec
-from densetrain.planner.layout import LayoutColumns, PlanSettings
+from densetrain.planner.layout import PP_SCHEDULES, LayoutColumns, PlanSettings
+from densetrain.planner.ops import compute_columns
 
 
 def time_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: LayoutColumns,
@@ -36,26 +37,39 @@ def time_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layout
     model_tok = model_flops_per_token(cfg, seq_len)
     extra_tok = recompute_flops_per_token(cfg, seq_len, cols.activation_checkpointing,
                                           settings.flash_attention)
-    imbalance = stage_imbalance(cfg, seq_len, cols.pp)
-    rate = cluster.peak_flops * settings.compute_efficiency
-    compute = (model_tok + extra_tok) * tokens / devices * imbalance / rate
+    parts = compute_columns(cfg, seq_len, cols, settings, cluster, mem)
+    compute = parts["gemm_s"] + parts["attention_s"] + parts["elementwise_s"] + parts["recompute_s"]
     m = mem["microbatches"]
     per_mb = compute / m
-    attention_share = 3 * attention_core_flops_per_token(cfg, seq_len) / model_tok
-    cp_exposed = np.maximum(0.0, comm["cp_s"] - attention_share * compute)
+    cp_exposed = np.maximum(0.0, comm["cp_s"] - parts["attention_s"])
     dp_exposed = _dp_exposed(cols.zero_stage, m, per_mb, comm)
-    v = cols.pp_virtual_stages.astype(np.float64)
-    bubble = (cols.pp - 1) / (v * m) * (compute + comm["tp_s"] + cp_exposed)
+    tp_exposed = comm["tp_s"] * (1.0 - settings.tp_overlap)
+    bubble = bubble_share(cols.pp_schedule, cols.pp, cols.pp_virtual_stages, m) * (
+        compute + tp_exposed + cp_exposed)
     opt_params = mem["stage_params"] / np.where(cols.zero_stage >= 1, cols.dp_shard, 1)
     optimizer = opt_params * settings.optimizer_bytes_touched / cluster.hbm_bytes_per_s
-    step = compute + bubble + comm["tp_s"] + comm["pp_s"] + cp_exposed + dp_exposed + optimizer
+    step = compute + bubble + tp_exposed + comm["pp_s"] + cp_exposed + dp_exposed + optimizer
     tokens_per_s = tokens / step
     mfu = model_tok * tokens_per_s / (devices * cluster.peak_flops)
-    return {"compute_s": compute, "bubble_s": bubble, "tp_exposed_s": comm["tp_s"],
+    return {**parts, "compute_s": compute, "bubble_s": bubble, "tp_exposed_s": tp_exposed,
             "pp_exposed_s": comm["pp_s"], "cp_exposed_s": cp_exposed, "dp_exposed_s": dp_exposed,
             "optimizer_s": optimizer, "step_s": step, "tokens_per_s": tokens_per_s, "mfu": mfu,
             "model_flops_per_step": np.full(len(cols), model_tok * tokens),
             "hardware_flops_per_step": (model_tok + extra_tok) * tokens * np.ones(len(cols))}
+
+
+def bubble_share(schedule, pp, virtual_stages, microbatches):
+    """Bubble time over busy time per schedule (see the module docstring)."""
+    p = np.asarray(pp, dtype=np.float64)
+    v = np.asarray(virtual_stages, dtype=np.float64)
+    m = np.asarray(microbatches, dtype=np.float64)
+    base = (p - 1) / m
+    names = [PP_SCHEDULES.index(n) for n in ("interleaved_1f1b", "zero_bubble", "zbv")]
+    share = np.select(
+        [schedule == names[0], schedule == names[1], schedule == names[2]],
+        [base / v, base / (3 * v), np.where(m >= 2 * p - 1, 0.0, base / (3 * v))],
+        default=base)
+    return np.where(p == 1, 0.0, share)
 
 
 def _dp_exposed(stage, m, per_mb, comm: dict[str, np.ndarray]) -> np.ndarray:

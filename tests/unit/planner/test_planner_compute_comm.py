@@ -96,13 +96,13 @@ def test_groups_beyond_a_node_use_the_network():
 
 
 def test_bubble_and_mfu_follow_their_definitions():
-    layout = Layout(pp=4, dp_replicate=2, micro_batch_size=1)
+    layout = Layout(pp=4, dp_shard=2, zero_stage=3, micro_batch_size=1)
     row = _eval(layout, batch=16)
     m = 16 // 2
     assert row["bubble_s"] == pytest.approx(
         3 / m * (row["compute_s"] + row["tp_exposed_s"] + row["cp_exposed_s"]))
     inter = _eval(Layout(pp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=2,
-                         dp_replicate=2), batch=16)
+                         dp_shard=2, zero_stage=3), batch=16)
     assert inter["bubble_s"] == pytest.approx(row["bubble_s"] / 2, rel=0.01)
     devices = layout.devices
     h100 = get_cluster("h100")

@@ -28,6 +28,9 @@ hbm_tb_s = 3.0
 devices_per_node = 4
 intra_node_gb_s = 200
 inter_node_gb_s = 12.5
+gemm_efficiency = 0.7
+gemm_half_dim = 96
+attention_efficiency = 0.4
 """)
     custom = load_cluster_file(toml)
     gpu = get_cluster("mygpu", custom)
@@ -36,15 +39,27 @@ inter_node_gb_s = 12.5
     js = tmp_path / "c.json"
     js.write_text(json.dumps({"clusters": {"x": {"peak_tflops": 1, "memory_gb": 1,
                                                  "hbm_tb_s": 1, "devices_per_node": 1,
-                                                 "intra_node_gb_s": 1, "inter_node_gb_s": 1}}}))
+                                                 "intra_node_gb_s": 1, "inter_node_gb_s": 1,
+                                                 "gemm_efficiency": 1, "gemm_half_dim": 1,
+                                                 "attention_efficiency": 1}}}))
     assert load_cluster_file(js)["x"].memory_bytes == 1e9
+
+
+_EFF = "gemm_efficiency = 0.8\ngemm_half_dim = 128\nattention_efficiency = 0.4\n"
 
 
 @pytest.mark.parametrize("body, message", [
     ("[clusters.g]\npeak_tflops = 1\n", "missing required fields"),
     ("[clusters.g]\npeak_tflop = 1\n", "unknown fields \\['peak_tflop'\\]"),
     ("[clusters.g]\npeak_tflops = -1\nmemory_gb = 1\nhbm_tb_s = 1\ndevices_per_node = 1\n"
-     "intra_node_gb_s = 1\ninter_node_gb_s = 1\n", "peak_flops must be > 0"),
+     "intra_node_gb_s = 1\ninter_node_gb_s = 1\n" + _EFF, "peak_flops must be > 0"),
+    ("[clusters.g]\npeak_tflops = 1\nmemory_gb = 1\nhbm_tb_s = 1\ndevices_per_node = 1\n"
+     "intra_node_gb_s = 1\ninter_node_gb_s = 1\n", "missing required fields \\['gemm_efficiency'"),
+    ("[clusters.g]\npeak_tflops = 1\nmemory_gb = 1\nhbm_tb_s = 1\ndevices_per_node = 1\n"
+     "intra_node_gb_s = 1\ninter_node_gb_s = 0\n" + _EFF, "inter_node_bytes_per_s must be > 0"),
+    ("[clusters.g]\npeak_tflops = 1\nmemory_gb = 1\nhbm_tb_s = 1\ndevices_per_node = 1\n"
+     "intra_node_gb_s = 1\ninter_node_gb_s = 1\ngemm_efficiency = 0\ngemm_half_dim = 1\n"
+     "attention_efficiency = 0.5\n", "gemm_efficiency must be > 0"),
     ("x = 1\n", "expected a non-empty \\[clusters.<name>\\] table"),
 ])
 def test_bad_cluster_files_name_file_and_field(tmp_path, body, message):

@@ -55,7 +55,8 @@ def test_cli_infeasible_request_says_why(capsys):
 def test_cli_custom_cluster_file_and_listing(tmp_path, capsys):
     path = tmp_path / "mine.toml"
     path.write_text("[clusters.mygpu]\npeak_tflops = 400\nmemory_gb = 64\nhbm_tb_s = 2\n"
-                    "devices_per_node = 4\nintra_node_gb_s = 100\ninter_node_gb_s = 25\n")
+                    "devices_per_node = 4\nintra_node_gb_s = 100\ninter_node_gb_s = 25\n"
+                    "gemm_efficiency = 0.8\ngemm_half_dim = 128\nattention_efficiency = 0.4\n")
     assert main(["plan", "--list-clusters", "--cluster-file", str(path)]) == 0
     assert "mygpu" in capsys.readouterr().out
     assert main(["plan", "--model", "gpt2-124m", "--cluster", "mygpu", "--cluster-file",
@@ -76,3 +77,26 @@ def test_cli_model_from_a_config_file(tmp_path, capsys):
     assert main(["plan", "--model", str(path), "--devices", "8", "--seq-len", "2048",
                  "--global-batch", "32"]) == 0
     assert "model dim 1024, 8 layers" in capsys.readouterr().out
+
+
+def test_plan_and_help_import_no_torch():
+    """`densetrain plan` and `densetrain --help` never import torch (the planner reads configs
+    and counts only); the torch model still imports on first use afterwards."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, contextlib, io\n"
+        "from densetrain.cli.main import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert main(['plan', '--model', 'llama3-8b', '--devices', '64', '--top', '1']) == 0\n"
+        "    try:\n"
+        "        main(['--help'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "from densetrain.models import Transformer, get_preset\n"
+        "assert 'torch' in sys.modules and Transformer.__name__ == 'Transformer'\n"
+        "assert get_preset('llama3-8b').num_layers == 32\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -75,16 +75,22 @@ def test_activation_bound_request_names_activations():
 
 def test_batch_that_no_data_parallel_degree_divides():
     cfg = ModelConfig(vocab_size=256, dim=64, num_layers=2, num_heads=2)
-    with pytest.raises(NoFeasibleLayoutError, match="global batch 3 sequences cannot be split"):
+    with pytest.raises(NoFeasibleLayoutError, match="none of the .* layouts of 64 devices runs "
+                       "in the trainer.*num_heads=2"):
         search(cfg, seq_len=128, global_batch=3, devices=64, cluster=get_cluster("h100"),
                space=SearchSpace(max_cp=1))
 
 
-def test_batch_too_small_for_any_pipeline():
+def test_batch_too_small_for_one_f_one_b_leaves_gpipe():
+    # 7 devices, 2 sequences: only pp=7 uses them all, with 2 microbatches; the trainer runs
+    # that with GPipe only (1F1B and the interleaved schedules need m >= pp).
     cfg = ModelConfig(vocab_size=256, dim=64, num_layers=8, num_heads=2)
-    with pytest.raises(NoFeasibleLayoutError, match="too small for every pipeline"):
+    result = search(cfg, seq_len=128, global_batch=2, devices=7, cluster=get_cluster("h100"),
+                    space=SearchSpace(max_cp=1))
+    assert {result.layout(i).pp_schedule for i in range(len(result))} == {"gpipe"}
+    with pytest.raises(NoFeasibleLayoutError, match="needs at least pp microbatches"):
         search(cfg, seq_len=128, global_batch=2, devices=7, cluster=get_cluster("h100"),
-               space=SearchSpace(max_cp=1))
+               space=SearchSpace(max_cp=1, schedules=("1f1b", "interleaved_1f1b")))
 
 
 def test_invalid_request_values():

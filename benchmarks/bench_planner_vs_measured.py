@@ -1,0 +1,108 @@
+"""The planner's predictions against measured steps on this machine.
+
+    python benchmarks/bench_planner_vs_measured.py [--calibration this-machine.toml] [--steps 8]
+
+Calibrates the machine (``densetrain plan --calibrate``) unless a calibration file is given,
+then trains a small model for a few steps through ``densetrain train`` in several layouts (one
+process; two gloo ranks with FSDP, DDP, tensor and pipeline parallelism), one thread per rank,
+and prints a Markdown table of predicted and measured step time (median over the steps after
+the first two, with the min-max spread) and peak memory of rank 0 (peak RSS), with the error of
+each. The fixed memory of a process (Python, torch, the data pipeline) is measured once by a
+process that imports them and is given to the planner as its workspace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from densetrain.models.config import ModelConfig
+from densetrain.planner import Layout, PlanSettings, evaluate_layout, get_cluster, load_cluster_file
+
+MODEL = dict(vocab_size=2048, dim=256, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=704,
+             max_seq_len=128)
+SEQ, BATCH, MICRO = 128, 8, 4
+LAYOUTS = {
+    "1 process": Layout(micro_batch_size=MICRO),
+    "2 ranks FSDP (dp_shard 2)": Layout(dp_shard=2, zero_stage=3, micro_batch_size=MICRO),
+    "2 ranks DDP (dp_replicate 2)": Layout(dp_replicate=2, micro_batch_size=MICRO),
+    "2 ranks TP 2 + SP": Layout(tp=2, sequence_parallel=True, micro_batch_size=MICRO),
+    "2 ranks PP 2 (1F1B)": Layout(pp=2, pp_schedule="1f1b", micro_batch_size=MICRO // 2),
+}
+
+
+def _overrides(cache: Path, run_dir: Path, steps: int) -> list[str]:
+    return [f"--training.steps={steps}", "--schedule.warmup_steps=1", "--training.device=cpu",
+            "--checkpoint.enabled=false", "--eval.interval=0", "--eval.sample_tokens=0",
+            "--logging.plot=false", "--logging.progress=false", "--logging.tensorboard=false",
+            "--logging.log_interval=1", "--data.default_max_files=40",
+            f"--data.default_vocab_size={MODEL['vocab_size']}", f"--data.cache_dir={cache}",
+            f"--logging.run_dir={run_dir}", "--training.dtype=fp32"]
+
+
+def measure(layout: Layout, work: Path, name: str, steps: int) -> dict:
+    """Median step seconds (and spread) and rank 0's peak RSS bytes of a short run."""
+    from densetrain.planner.emit import emit_config
+
+    config = emit_config(work / f"{name}.toml", ModelConfig(**MODEL), layout, seq_len=SEQ,
+                         global_batch=BATCH)
+    run_dir = work / f"run-{name}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={layout.devices}", "-m", "densetrain", "train", str(config),
+           *_overrides(work / "cache", run_dir, steps)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if done.returncode:
+        raise RuntimeError(f"{name}: training failed:\n{done.stderr[-3000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "tokens_per_s" in r][2:]
+    seconds = [BATCH * SEQ / r["tokens_per_s"] for r in records]
+    return {"step_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds),
+            "peak_bytes": max(r["peak_rss_gib"] for r in records) * 2**30}
+
+
+def base_rss_bytes() -> float:
+    """Peak RSS of a process holding torch and densetrain's trainer imports, nothing built."""
+    code = ("import resource, torch, densetrain.train, densetrain.data; "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calibration", default=None, help="cluster file from plan --calibrate")
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="densetrain-bench-plan-"))
+    calibration = args.calibration
+    if calibration is None:
+        calibration = str(work / "this-machine.toml")
+        subprocess.run([sys.executable, "-m", "densetrain", "plan", "--calibrate", calibration],
+                       check=True)
+    cluster = get_cluster("this-machine", load_cluster_file(calibration))
+    base = base_rss_bytes()
+    settings = PlanSettings(precision="fp32", activation_bytes=4, workspace_gb=base / 1e9,
+                            usable_memory_fraction=1.0)
+    print("| layout | predicted step s | measured step s (min-max) | time error | predicted "
+          "MB | measured MB | memory error |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for i, (name, layout) in enumerate(LAYOUTS.items()):
+        got = measure(layout, work, f"layout{i}", args.steps)
+        row = evaluate_layout(ModelConfig(**MODEL), SEQ, BATCH, layout, cluster, settings)
+        t_err = row["step_s"] / got["step_s"] - 1
+        m_err = row["mem_total"] / got["peak_bytes"] - 1
+        print(f"| {name} | {row['step_s']:.3f} | {got['step_s']:.3f} ({got['min_s']:.3f}-"
+              f"{got['max_s']:.3f}) | {t_err:+.0%} | {row['mem_total'] / 1e6:.0f} | "
+              f"{got['peak_bytes'] / 1e6:.0f} | {m_err:+.0%} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

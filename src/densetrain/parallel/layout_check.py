@@ -1,0 +1,318 @@
+"""`check_layout`: the one statement of which parallel layouts the trainer runs.
+
+Every rule is a predicate over the layout's degrees and options, the model's architecture and
+the run's shape (sequence length, batch, world size, compile, document masking), plus the
+sentence a user sees when it is violated. The same predicates serve two callers:
+
+- `check_layout(parallel, model, ...)` evaluates them on one ``ParallelConfig`` and returns the
+  reasons it cannot run (empty: runnable) — for config validation and the trainer;
+- `runnable_mask(columns, model, ...)` evaluates them elementwise on numpy columns of many
+  layouts at once — for the planner's search, so that it never advises a layout this module
+  refuses.
+
+Pure Python (numpy only for columns); nothing here imports torch or builds a model. The rules
+and where each comes from:
+
+- degrees: multiply to the world size (``dp_shard=-1`` takes the rest);
+- pipeline options: virtual stages only with interleaved schedules, ``zbv`` exactly 2, explicit
+  ``pp_microbatches`` >= pp except for GPipe, ``pp_layer_split`` has pp x v entries summing to
+  the layers, at most one stage per layer;
+- tensor parallel: tp divides the heads and the ffn width, tp divides the kv heads or is a
+  multiple of them; the plan covers pre-norm sequential blocks with a final norm and untied
+  embeddings, without qk-norm, embedding projections, learned positions or an embedding norm;
+- sequence parallel: the per-cp-rank sequence is a multiple of tp;
+- context parallel: the sequence is a multiple of 2 x cp (load-balanced chunks); attention is
+  plain causal (no ALiBi, no sliding window shorter than the sequence, no document masks);
+- data parallel: ZeRO-1/2 only on pure data parallelism (dp_shard, no tp/pp/cp/dp_replicate);
+  replicated DP without sharding (DDP) not with tp or pp;
+- batch: the global batch splits into dp x micro_batch_size; pipeline microbatches divide the
+  rank's batch and are >= pp except for GPipe; interleaved schedules need a whole number of
+  rounds (torch.distributed.pipelining: m is a multiple of max(1, m // pp));
+- pipeline composes with ZeRO-3 only, not with ``compile``, untied embeddings, no document
+  masks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv")
+"""Schedules that hold several stages per pipeline rank (``pp_virtual_stages``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunShape:
+    """What the layout must serve: the batch shape, the world and the run's switches."""
+
+    seq_len: int
+    global_batch_size: int
+    world_size: int
+    compile: bool = False
+    document_masking: bool = False
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One requirement: ``violated(f, m, r)`` is true (elementwise) when the layout breaks it;
+    ``reason(f, m, r)`` is the sentence for one scalar layout that breaks it."""
+
+    name: str
+    violated: Callable[[Any, Any, RunShape], Any]
+    reason: Callable[[Any, Any, RunShape], str]
+
+
+def _select(cond: Any, a: Any, b: Any) -> Any:
+    """``a if cond else b`` for scalars, ``np.where`` for columns."""
+    if getattr(cond, "ndim", 0):
+        import numpy as np
+
+        return np.where(cond, a, b)
+    return a if cond else b
+
+
+def _one_of(value: Any, names: tuple[str, ...]) -> Any:
+    out = value == names[0]
+    for name in names[1:]:
+        out = out | (value == name)
+    return out
+
+
+def _microbatches(f: Any, r: RunShape) -> Any:
+    """Pipeline microbatches per step as the trainer counts them (``pp_microbatches`` or the
+    rank's batch over ``micro_batch_size``), at least 1 so that it can be divided by."""
+    local = r.global_batch_size // f.dp
+    count = _select(f.pp_microbatches > 0, f.pp_microbatches, local // f.micro_batch_size)
+    return _select(count > 0, count, 1)
+
+
+def _tp_unsupported(m: Any) -> list[str]:
+    """The model features the tensor-parallel plan does not cover (empty: all covered)."""
+    found = []
+    if m.block_type != "sequential" or m.norm_position != "pre":
+        found.append(f"block_type={m.block_type!r}, norm_position={m.norm_position!r} "
+                     "(pre-norm sequential blocks only)")
+    for flag in ("tie_embeddings", "qk_norm", "embedding_norm"):
+        if getattr(m, flag):
+            found.append(f"{flag}=True")
+    if m.embed_dim != m.dim:
+        found.append(f"embed_dim={m.embed_dim} != dim={m.dim} (embedding projections)")
+    if m.position_embedding == "learned":
+        found.append('position_embedding="learned"')
+    if not m.final_norm:
+        found.append("final_norm=False (the vocab-parallel head needs the final norm)")
+    return found
+
+
+def _not_plain_causal(m: Any, r: RunShape) -> list[str]:
+    found = []
+    if m.position_embedding == "alibi":
+        found.append('position_embedding="alibi"')
+    if m.sliding_window is not None and m.sliding_window < r.seq_len:
+        found.append(f"sliding_window={m.sliding_window} < seq_len={r.seq_len}")
+    if r.document_masking:
+        found.append("data.document_masking=True")
+    return found
+
+
+def _rounds_ok(f: Any, r: RunShape) -> Any:
+    count = _microbatches(f, r)
+    rounds = _select(count // f.pp > 1, count // f.pp, 1)
+    return count % rounds == 0
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("virtual_stages_need_interleaved",
+         lambda f, m, r: (f.pp_virtual_stages > 1)
+         & (_one_of(f.pp_schedule, INTERLEAVED_SCHEDULES) == False),  # noqa: E712
+         lambda f, m, r: f"parallel.pp_virtual_stages={f.pp_virtual_stages} needs an interleaved "
+         f"pp_schedule (interleaved_1f1b, zero_bubble, zbv), got {f.pp_schedule!r}"),
+    Rule("zbv_two_stages",
+         lambda f, m, r: (f.pp_schedule == "zbv") & (f.pp_virtual_stages != 2),
+         lambda f, m, r: 'parallel.pp_schedule="zbv" runs exactly 2 stages per rank; set '
+         f"pp_virtual_stages=2 (got {f.pp_virtual_stages})"),
+    Rule("explicit_microbatches_fill_pipeline",
+         lambda f, m, r: (f.pp > 1) & (f.pp_schedule != "gpipe") & (f.pp_microbatches > 0)
+         & (f.pp_microbatches < f.pp),
+         lambda f, m, r: f"parallel.pp_microbatches={f.pp_microbatches} must be >= pp={f.pp} for "
+         f"pp_schedule={f.pp_schedule!r} (only gpipe runs fewer microbatches than stages)"),
+    Rule("tp_divides_heads",
+         lambda f, m, r: m.num_heads % f.tp != 0,
+         lambda f, m, r: f"parallel.tp={f.tp} must divide the attention heads "
+         f"(model.num_heads={m.num_heads})"),
+    Rule("tp_and_kv_heads",
+         lambda f, m, r: (m.num_kv_heads % f.tp != 0) & (f.tp % m.num_kv_heads != 0),
+         lambda f, m, r: f"parallel.tp={f.tp} must divide model.num_kv_heads={m.num_kv_heads} "
+         "(kv heads split across ranks) or be a multiple of it (kv heads replicated)"),
+    Rule("tp_divides_ffn",
+         lambda f, m, r: m.ffn_dim % f.tp != 0,
+         lambda f, m, r: f"parallel.tp={f.tp} must divide model.ffn_dim={m.ffn_dim}"),
+    Rule("tp_model_features",
+         lambda f, m, r: (f.tp > 1) & bool(_tp_unsupported(m)),
+         lambda f, m, r: f"parallel.tp={f.tp}: tensor parallel does not support "
+         + "; ".join(_tp_unsupported(m))),
+    Rule("sp_sequence_divides",
+         lambda f, m, r: f.sequence_parallel & (f.tp > 1) & ((r.seq_len // f.cp) % f.tp != 0),
+         lambda f, m, r: f"sequence parallel with parallel.tp={f.tp} needs the sequence length "
+         f"per cp rank ({r.seq_len} / cp={f.cp} = {r.seq_len // f.cp}) to be a multiple of tp"),
+    Rule("cp_sequence_chunks",
+         lambda f, m, r: (f.cp > 1) & (r.seq_len % (2 * f.cp) != 0),
+         lambda f, m, r: f"parallel.cp={f.cp} needs the sequence length {r.seq_len} to be a "
+         f"multiple of 2 x cp = {2 * f.cp} (each cp rank holds two chunks that balance the "
+         "causal mask)"),
+    Rule("cp_plain_causal",
+         lambda f, m, r: (f.cp > 1) & bool(_not_plain_causal(m, r)),
+         lambda f, m, r: f"parallel.cp={f.cp} supports the plain causal mask only; this run has "
+         + "; ".join(_not_plain_causal(m, r))),
+    Rule("pp_stages_have_layers",
+         lambda f, m, r: f.pp * f.pp_virtual_stages > m.num_layers,
+         lambda f, m, r: f"parallel.pp={f.pp} x pp_virtual_stages={f.pp_virtual_stages} = "
+         f"{f.pp * f.pp_virtual_stages} stages exceed model.num_layers={m.num_layers} "
+         "(each stage needs at least one layer)"),
+    Rule("zero12_pure_dp",
+         lambda f, m, r: (f.dp_shard * f.cp > 1) & (f.zero_stage < 3)
+         & ((f.tp > 1) | (f.pp > 1) | (f.cp > 1) | (f.dp_replicate > 1)),
+         lambda f, m, r: f"parallel.zero_stage={f.zero_stage} runs on pure data parallel "
+         "(dp_shard only); use zero_stage=3 to compose with tp, pp, cp or dp_replicate"),
+    Rule("ddp_without_tp_pp",
+         lambda f, m, r: (f.dp_shard * f.cp == 1) & (f.dp_replicate > 1) & ((f.tp > 1)
+                                                                          | (f.pp > 1)),
+         lambda f, m, r: f"parallel.dp_replicate={f.dp_replicate} with tp={f.tp}, pp={f.pp} and "
+         "dp_shard=1 is not supported: use dp_shard (FSDP) for the data-parallel degree"),
+    Rule("batch_splits",
+         lambda f, m, r: r.global_batch_size % (f.dp * f.micro_batch_size) != 0,
+         lambda f, m, r: f"training.global_batch_size={r.global_batch_size} is not divisible by "
+         f"training.micro_batch_size x data-parallel size = {f.micro_batch_size} x {f.dp} = "
+         f"{f.micro_batch_size * f.dp}"),
+    Rule("pp_microbatches_divide_batch",
+         lambda f, m, r: (f.pp > 1) & ((r.global_batch_size // f.dp) % _microbatches(f, r) != 0),
+         lambda f, m, r: f"parallel.pp={f.pp}: the rank's batch of {r.global_batch_size // f.dp} "
+         f"sequences does not split into {_microbatches(f, r)} pipeline microbatches; set "
+         "parallel.pp_microbatches to a divisor"),
+    Rule("pp_microbatches_fill_pipeline",
+         lambda f, m, r: (f.pp > 1) & (f.pp_schedule != "gpipe") & (_microbatches(f, r) < f.pp),
+         lambda f, m, r: f"parallel.pp={f.pp} with pp_schedule={f.pp_schedule!r} needs at least "
+         f"pp microbatches per step, got {_microbatches(f, r)} (rank batch "
+         f"{r.global_batch_size // f.dp} / training.micro_batch_size={f.micro_batch_size}); "
+         "lower training.micro_batch_size or set parallel.pp_microbatches"),
+    Rule("pp_interleaved_rounds",
+         lambda f, m, r: (f.pp > 1) & _one_of(f.pp_schedule, ("interleaved_1f1b", "zero_bubble"))
+         & (_rounds_ok(f, r) == False),  # noqa: E712
+         lambda f, m, r: f"parallel.pp_schedule={f.pp_schedule!r} needs the microbatches "
+         f"({_microbatches(f, r)}) to be a multiple of the rounds max(1, m // pp = "
+         f"{_microbatches(f, r) // f.pp})"),
+    Rule("pp_needs_zero3",
+         lambda f, m, r: (f.pp > 1) & (f.zero_stage < 3),
+         lambda f, m, r: f"parallel.pp={f.pp} composes with parallel.zero_stage=3 (FSDP) only, "
+         f"got zero_stage={f.zero_stage}"),
+    Rule("pp_without_compile",
+         lambda f, m, r: (f.pp > 1) & r.compile,
+         lambda f, m, r: f"training.compile is not supported with parallel.pp={f.pp}"),
+    Rule("pp_untied_embeddings",
+         lambda f, m, r: (f.pp > 1) & bool(m.tie_embeddings),
+         lambda f, m, r: f"parallel.pp={f.pp} needs untied embeddings "
+         "(model.tie_embeddings=False)"),
+    Rule("pp_plain_causal",
+         lambda f, m, r: (f.pp > 1) & r.document_masking,
+         lambda f, m, r: f"parallel.pp={f.pp} runs the plain causal mask only; turn off "
+         "data.document_masking"),
+)
+
+
+CONFIG_RULES = ("virtual_stages_need_interleaved", "zbv_two_stages",
+                "explicit_microbatches_fill_pipeline")
+"""The rules a ``[parallel]`` section alone decides (no model, batch or world needed)."""
+
+
+def config_reasons(parallel: Any) -> list[str]:
+    """Why the ``[parallel]`` options contradict each other (``CONFIG_RULES``); empty if not."""
+    return [rule.reason(parallel, None, None) for rule in RULES
+            if rule.name in CONFIG_RULES and rule.violated(parallel, None, None)]
+
+
+class _Reads(SimpleNamespace):
+    """A probe layout that records which fields a rule reads."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if not name.startswith("__"):
+            object.__getattribute__(self, "_seen").add(name)
+        return object.__getattribute__(self, name)
+
+
+def fields_read(rule: Rule, model: Any, run: RunShape) -> frozenset[str]:
+    """The layout fields ``rule`` reads (every predicate evaluates all its terms: ``&``, ``|``
+    and `_select` do not short-circuit), so that a search can apply it before expanding the
+    fields it does not read."""
+    probe = _Reads(_seen=set(), dp_replicate=1, dp_shard=1, dp=1, tp=1, pp=2, cp=1,
+                   zero_stage=3, sequence_parallel=False, pp_schedule="1f1b",
+                   pp_microbatches=0, pp_virtual_stages=1, micro_batch_size=1)
+    rule.violated(probe, model, run)
+    return frozenset(object.__getattribute__(probe, "_seen"))
+
+
+def _layer_split_reasons(parallel: Any, model: Any) -> list[str]:
+    split = list(parallel.pp_layer_split)
+    if not split:
+        return []
+    stages = parallel.pp * parallel.pp_virtual_stages
+    if len(split) != stages or sum(split) != model.num_layers:
+        return [f"parallel.pp_layer_split={split} must have pp x pp_virtual_stages = {stages} "
+                f"entries summing to model.num_layers={model.num_layers}"]
+    return []
+
+
+def resolve_dp_shard(parallel: Any, world_size: int) -> tuple[int | None, str | None]:
+    """(dp_shard with -1 resolved, None) or (None, why the degrees do not fit ``world_size``)."""
+    others = parallel.dp_replicate * parallel.cp * parallel.tp * parallel.pp
+    if parallel.dp_shard == -1:
+        if world_size % others:
+            return None, (f"parallel degrees dp_replicate={parallel.dp_replicate} x "
+                          f"cp={parallel.cp} x tp={parallel.tp} x pp={parallel.pp} = {others} do "
+                          f"not divide the world size {world_size}; dp_shard=-1 needs world_size "
+                          "to be a multiple of their product")
+        return world_size // others, None
+    if others * parallel.dp_shard != world_size:
+        return None, (f"parallel degrees must multiply to the world size: dp_replicate="
+                      f"{parallel.dp_replicate} x dp_shard={parallel.dp_shard} x cp={parallel.cp}"
+                      f" x tp={parallel.tp} x pp={parallel.pp} = {others * parallel.dp_shard}, "
+                      f"but world_size = {world_size}")
+    return parallel.dp_shard, None
+
+
+_LAYOUT_FIELDS = ("dp_replicate", "tp", "pp", "cp", "zero_stage", "sequence_parallel",
+                  "pp_schedule", "pp_microbatches", "pp_virtual_stages")
+
+
+def check_layout(parallel: Any, model: Any, *, seq_len: int, global_batch_size: int,
+                 micro_batch_size: int, world_size: int, compile: bool = False,
+                 document_masking: bool = False) -> list[str]:
+    """Why ``parallel`` (a ``ParallelConfig``) cannot train ``model`` (a ``ModelConfig``) on
+    this run; an empty list when the trainer runs it. One sentence per violated rule."""
+    dp_shard, problem = resolve_dp_shard(parallel, world_size)
+    if problem:
+        return [problem]
+    fields = SimpleNamespace(**{k: getattr(parallel, k) for k in _LAYOUT_FIELDS},
+                             dp_shard=dp_shard, micro_batch_size=micro_batch_size,
+                             dp=parallel.dp_replicate * dp_shard)
+    run = RunShape(seq_len=seq_len, global_batch_size=global_batch_size, world_size=world_size,
+                   compile=compile, document_masking=document_masking)
+    reasons = [rule.reason(fields, model, run) for rule in RULES
+               if rule.violated(fields, model, run)]
+    return reasons + _layer_split_reasons(parallel, model)
+
+
+def runnable_mask(columns: Mapping[str, Any], model: Any, run: RunShape) -> Any:
+    """Boolean numpy array: which rows of ``columns`` (numpy arrays named as in
+    ``ParallelConfig``, ``dp_shard`` resolved, plus ``micro_batch_size``; ``pp_schedule`` as
+    strings) pass every rule. ``pp_layer_split`` is taken as balanced (empty)."""
+    import numpy as np
+
+    fields = SimpleNamespace(**{k: np.asarray(v) for k, v in columns.items()})
+    fields.dp = fields.dp_replicate * fields.dp_shard
+    ok = np.ones(len(fields.tp), dtype=bool)
+    for rule in RULES:
+        ok &= ~np.broadcast_to(np.asarray(rule.violated(fields, model, run), dtype=bool),
+                               ok.shape)
+    return ok

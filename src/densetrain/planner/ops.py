@@ -1,0 +1,114 @@
+"""Compute time per device and step from per-operation costs (vectorised over layouts).
+
+Per transformer layer and microbatch, on one device (t = micro_batch x seq / cp tokens):
+
+- GEMMs by shape: qkv (t, d, (q + 2 kv) / tp), wo (t, q / tp, d), the MLP's up (and gate)
+  (t, d, ffn / tp) and down (t, ffn / tp, d); the last stage adds the output head (t, d, V / tp).
+  Backward runs each twice (input and weight gradients, same sizes). A GEMM of sides (m, n, k)
+  takes the longer of 2mnk / (peak x eff) and its 2(mk + kn + mn) bytes over HBM, where
+  eff = gemm_efficiency x s / (s + gemm_half_dim) for its smallest side s: large GEMMs run at
+  the accelerator's measured maximum, small or skinny ones (tp-split, short microbatches) fall.
+- Attention core: QK^T and AV, 4 t S (q / tp) FLOPs forward of which causal masking keeps half,
+  backward 2.5x forward (FlashAttention recomputes the scores), at ``attention_efficiency``;
+  without a fused kernel, as batched GEMMs plus the s x s softmax through HBM.
+- Element-wise work is memory-bound: norms (read + write d, twice), residual adds (2 reads, 1
+  write of d, twice), RoPE on q and k, the SwiGLU product (3 ffn) per token forward, twice that
+  backward, bytes over HBM; sequence parallel splits the d-wide part over tp. The loss reads
+  and writes fp32 logits three times (12 V / tp bytes per token).
+- Recompute: full checkpointing repeats the forward of all of it; the trainer's selective
+  policy keeps matmul and attention outputs and repeats the element-wise forward (without a
+  fused kernel, also the attention core: Korthikanti et al. 2022's selective recompute).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from densetrain.models.config import ModelConfig
+from densetrain.planner.hardware import ClusterSpec
+from densetrain.planner.layout import AC_POLICIES, LayoutColumns, PlanSettings
+
+_SELECTIVE, _FULL = AC_POLICIES.index("selective"), AC_POLICIES.index("full")
+
+
+def gemm_seconds(m, n, k, cluster: ClusterSpec, bytes_per_element: int = 2,
+                 efficiency: float | None = None):
+    """Time of one (m x k) @ (k x n) GEMM (elementwise over arrays)."""
+    m, n, k = (np.asarray(x, dtype=np.float64) for x in (m, n, k))
+    smallest = np.minimum(np.minimum(m, n), k)
+    top = cluster.gemm_efficiency if efficiency is None else efficiency
+    eff = top * smallest / (smallest + cluster.gemm_half_dim)
+    flops_time = 2.0 * m * n * k / (cluster.peak_flops * eff)
+    bytes_time = bytes_per_element * (m * k + k * n + m * n) / cluster.hbm_bytes_per_s
+    return np.maximum(flops_time, bytes_time)
+
+
+def _layer_gemms(cfg: ModelConfig, tokens, tp, cluster: ClusterSpec, eff):
+    kv_local = cfg.kv_dim / np.where(cfg.num_kv_heads % tp == 0, tp, tp / cfg.num_kv_heads * 1.0)
+    num_up = 2 if cfg.activation == "swiglu" else 1
+    qkv = gemm_seconds(tokens, cfg.q_dim / tp + 2 * kv_local, cfg.dim, cluster, efficiency=eff)
+    wo = gemm_seconds(tokens, cfg.dim, cfg.q_dim / tp, cluster, efficiency=eff)
+    up = num_up * gemm_seconds(tokens, cfg.ffn_dim / tp, cfg.dim, cluster, efficiency=eff)
+    down = gemm_seconds(tokens, cfg.dim, cfg.ffn_dim / tp, cluster, efficiency=eff)
+    return qkv + wo + up + down
+
+
+def _attention_forward(cfg: ModelConfig, micro_batch, local_seq, seq_len, tp,
+                       cluster: ClusterSpec, settings: PlanSettings, eff):
+    heads_local = cfg.num_heads / tp
+    flops = 4.0 * micro_batch * local_seq * seq_len * cfg.q_dim / tp * 0.5
+    if settings.flash_attention:
+        return flops / (cluster.peak_flops * cluster.attention_efficiency)
+    rows = micro_batch * heads_local
+    scores = rows * gemm_seconds(local_seq, seq_len, cfg.head_dim, cluster, efficiency=eff)
+    values = rows * gemm_seconds(local_seq, cfg.head_dim, seq_len, cluster, efficiency=eff)
+    # softmax reads and writes the scores; dropout reads them and writes them and a mask.
+    passes = 2 * 2 + ((2 * 2 + 1) if settings.attention_dropout else 0)
+    softmax = rows * local_seq * seq_len * passes / cluster.hbm_bytes_per_s
+    return scores + values + softmax
+
+
+def _elementwise_forward(cfg: ModelConfig, tokens, tp, sp, e: int, cluster: ClusterSpec,
+                         dropout: bool):
+    # With dropout, each of the two residual dropouts reads and writes d values and a mask.
+    wide = (10.0 * e + (2 * (2 * e + 1) if dropout else 0)) * cfg.dim / np.where(sp, tp, 1)
+    split = (2.0 * (cfg.q_dim + cfg.kv_dim) + 3.0 * cfg.ffn_dim) / tp * e
+    return tokens * (wide + split) / cluster.hbm_bytes_per_s
+
+
+def compute_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, settings: PlanSettings,
+                    cluster: ClusterSpec, mem: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Seconds per step on the busiest device: GEMMs, attention, element-wise, recompute."""
+    tp = cols.tp.astype(np.float64)
+    cp = cols.cp.astype(np.float64)
+    mbs = cols.micro_batch_size.astype(np.float64)
+    local_seq = seq_len / cp
+    tokens = mbs * local_seq
+    m = mem["microbatches"]
+    eff = settings.compute_efficiency
+    gemm_f = _layer_gemms(cfg, tokens, tp, cluster, eff)
+    attn_f = _attention_forward(cfg, mbs, local_seq, seq_len, tp, cluster, settings, eff)
+    elem_f = _elementwise_forward(cfg, tokens, tp, cols.sequence_parallel,
+                                  settings.activation_bytes, cluster, settings.attention_dropout)
+    head_f = gemm_seconds(tokens, cfg.padded_vocab_size / tp, cfg.embed_dim, cluster,
+                          efficiency=eff)
+    loss = tokens * 12.0 * cfg.padded_vocab_size / tp / cluster.hbm_bytes_per_s
+    policy = cols.activation_checkpointing
+    recompute = np.select(
+        [policy == _FULL, policy == _SELECTIVE],
+        [gemm_f + attn_f + elem_f, elem_f + (0.0 if settings.flash_attention else attn_f)],
+        default=0.0)
+    # Balanced split: the first stage has ceil(L / pp) layers, the last floor(L / pp) + the head.
+    first = np.ceil(cfg.num_layers / cols.pp)
+    last = np.where(cols.pp == 1, cfg.num_layers, np.floor(cfg.num_layers / cols.pp))
+    layer_s = 3.0 * gemm_f + 3.5 * attn_f + 3.0 * elem_f + recompute
+    head_s = 3.0 * head_f + loss
+    on_last = last * layer_s + head_s >= first * layer_s
+    stage_layers = np.where(on_last, last, first)
+    per_mb = {
+        "gemm_s": 3.0 * (gemm_f * stage_layers + head_f * on_last),
+        "attention_s": 3.5 * attn_f * stage_layers,
+        "elementwise_s": 3.0 * elem_f * stage_layers + loss * on_last,
+        "recompute_s": recompute * stage_layers,
+    }
+    return {k: v * m for k, v in per_mb.items()}
