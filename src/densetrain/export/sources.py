@@ -20,7 +20,6 @@ from the safetensors files, so memory never holds the whole model.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
@@ -137,9 +136,14 @@ def _checkpoint_source(checkpoint: Path, tokenizer: Tokenizer | None) -> ExportS
 def _model_dir_source(directory: Path, tokenizer: Tokenizer | None) -> ExportSource:
     from safetensors import safe_open
 
-    from densetrain.models.hf.files import checkpoint_files, read_tensors, torch_dtype_of
+    from densetrain.models.hf.files import (
+        checkpoint_files,
+        read_json,
+        read_tensors,
+        torch_dtype_of,
+    )
 
-    data = json.loads((directory / "config.json").read_text())
+    data = read_json(directory / "config.json")
     if "model_type" in data:
         raise ValueError(
             f"{directory} is already a Hugging Face checkpoint (config.json has model_type="
