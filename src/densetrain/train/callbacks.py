@@ -217,22 +217,62 @@ def sample_text(run: RunState, prompt: str, max_new_tokens: int) -> str:
 
 
 class Checkpointer(Callback):
-    """Saves the Stateful tree every ``interval`` steps and after the last step."""
+    """Saves the Stateful tree every ``interval`` steps and after the last step.
 
-    def __init__(self, *, interval: int, keep_last: int, save_final: bool) -> None:
+    [checkpoint call site] Saving goes through `densetrain.checkpoint.AsyncCheckpointer`
+    (background writes when ``async_save``; at most one in flight); the final save and the save
+    on a preemption signal are waited for; `close` (called by `train` also after an exception)
+    waits for a save still in flight.
+    """
+
+    def __init__(self, *, interval: int, keep_last: int, save_final: bool,
+                 async_save: bool = False) -> None:
         self.interval = interval
         self.keep_last = keep_last
         self.save_final = save_final
+        self.async_save = async_save
+        self.writer: Any = None
+
+    def on_train_start(self, run: RunState) -> None:
+        """Open the writer for the run's checkpoint directory."""
+        from densetrain.checkpoint.async_save import AsyncCheckpointer
+
+        self.writer = AsyncCheckpointer(
+            run.checkpoint_dir, config_toml=run.config_toml, keep_last=self.keep_last,
+            async_save=self.async_save, timeout_s=run.job.parallel.collective_timeout_s,
+        )
+
+    def save(self, run: RunState, *, wait: bool = False) -> None:
+        """Save the current step (and wait for it to be complete when ``wait``)."""
+        self.writer.save(run.counters.step, run.state_tree())
+        if wait:
+            self.writer.wait()
+        if self.writer.last_path is not None:
+            run.last_checkpoint = str(self.writer.last_path)
 
     def on_step_end(self, run: RunState, output: StepOutput) -> None:
         """Save on the cadence."""
         if run.counters.step % self.interval == 0:
-            run.save_checkpoint(self.keep_last)
+            self.save(run)
 
     def on_train_end(self, run: RunState) -> None:
-        """Save the final state."""
+        """Save the final state and wait until every save is complete."""
         if self.save_final:
-            run.save_checkpoint(self.keep_last)
+            self.save(run, wait=True)
+        else:
+            self.writer.wait()
+        if self.writer.last_path is not None:
+            run.last_checkpoint = str(self.writer.last_path)
+
+    def on_preempt(self, run: RunState) -> None:
+        """A stop signal arrived: save this step and wait for it."""
+        self.save(run, wait=True)
+
+    def close(self) -> None:
+        """Wait for a save still in flight (also after an exception)."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 
 class LossPlot(Callback):

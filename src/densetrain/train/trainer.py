@@ -26,7 +26,6 @@ from densetrain.checkpoint import (
     OptimizerState,
     RNGState,
     TrainerCounters,
-    latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
@@ -166,6 +165,7 @@ def default_callbacks(job: Any) -> list[Callback]:
                 interval=job.checkpoint.interval,
                 keep_last=job.checkpoint.keep_last,
                 save_final=job.checkpoint.save_final,
+                async_save=job.checkpoint.async_save,
             )
         )
     if job.logging.plot:
@@ -180,8 +180,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def run_loop(run: RunState, callbacks: Sequence[Callback]) -> None:
-    """Step until ``run.total_steps``, calling the callbacks around each step."""
+def run_loop(run: RunState, callbacks: Sequence[Callback], stop: Any = None) -> None:
+    """Step until ``run.total_steps``, calling the callbacks around each step.
+
+    ``stop`` (a `densetrain.checkpoint.PreemptionHandler`) is asked after each step; when it
+    says stop, the checkpointer saves that step and the loop returns without the end hooks.
+    """
     job = run.job
     for callback in callbacks:
         callback.on_train_start(run)
@@ -196,6 +200,12 @@ def run_loop(run: RunState, callbacks: Sequence[Callback]) -> None:
         run.train_seconds += time.perf_counter() - start
         for callback in callbacks:
             callback.on_step_end(run, output)
+        # [checkpoint call site] preemption: a SIGTERM/SIGINT on any rank -> save, then stop.
+        if stop is not None and stop.should_stop():
+            for callback in callbacks:
+                if isinstance(callback, Checkpointer):
+                    callback.on_preempt(run)
+            return
     for callback in callbacks:
         callback.on_train_end(run)
 
@@ -311,37 +321,74 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
 def train(job: Any, *, callbacks: Sequence[Callback] | None = None) -> dict[str, Any]:
     """Run the training job ``job`` (a `JobConfig`) and return its summary dict.
 
-    Resumes from the latest complete checkpoint when ``checkpoint.resume`` is on. ``callbacks``
-    are added after the default ones (evaluation, logging, checkpoints, plot).
+    Holds the run directory's lock for the whole run (a second run there fails at once).
+    Resumes from the newest checkpoint that verifies when ``checkpoint.resume`` is on (damaged
+    ones are set aside; a changed model or data order is refused). On SIGTERM/SIGINT it saves a
+    checkpoint and returns early with ``summary["preempted"]`` set to the signal's name.
+    ``callbacks`` are added after the default ones (evaluation, logging, checkpoints, plot).
     """
     import torch.distributed as dist
 
-    from densetrain.train.setup import build_run
+    from densetrain.checkpoint.lock import acquire_run_lock
+    from densetrain.checkpoint.preemption import PreemptionHandler
+    from densetrain.train.setup import _init_distributed, build_run
 
     owns_process_group = not (dist.is_available() and dist.is_initialized())
     all_callbacks = default_callbacks(job) + list(callbacks or [])
+    lock = None
+    succeeded = False
     try:
+        # [checkpoint call site] one run per directory, before any work (collective).
+        _init_distributed(job)
+        lock = acquire_run_lock(job.logging.run_dir)
         run = build_run(job)
         if job.checkpoint.resume and job.checkpoint.enabled:
-            latest = latest_checkpoint(run.checkpoint_dir)
-            if latest is not None:
-                check_optimizer_layout(latest, run)
-                if not isinstance(run.optimizer, torch.optim.Optimizer):
-                    init_optimizer_state(run.optimizer.optimizer)
-                load_checkpoint(latest, run.state_tree())
-                if hasattr(run.optimizer, "reload_params"):  # ZeRO-1/2 master chunks
-                    run.optimizer.reload_params()
-                run.resumed_from = str(latest)
-                if run.is_main:
-                    print(f"resumed from {latest} (step {run.counters.step})", file=sys.stderr)
-        run_loop(run, all_callbacks)
+            _resume(run)  # [checkpoint call site] verified resume with the config check
+        # [checkpoint call site] SIGTERM/SIGINT -> save and stop, within the grace time.
+        with PreemptionHandler(grace_s=job.checkpoint.preemption_grace_s,
+                               timeout_s=job.parallel.collective_timeout_s) as preemption:
+            run_loop(run, all_callbacks, stop=preemption)
         summary = summarize(run)
-        if run.is_main:
+        if preemption.requested:
+            summary["preempted"] = preemption.signal_name
+        elif run.is_main:
             write_summary(run.run_dir, summary)
+        succeeded = True
     finally:
         for callback in all_callbacks:
-            if isinstance(callback, MetricsLogger):
-                callback.close()
-        if owns_process_group and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+            if isinstance(callback, (MetricsLogger, Checkpointer)):
+                callback.close()  # [checkpoint call site] Checkpointer waits for a save
+        if lock is not None:
+            lock.release()
+        if owns_process_group:
+            _shutdown_process_group(succeeded)
     return summary
+
+
+def _resume(run: RunState) -> None:
+    """Load the newest verified checkpoint, if any, after checking the config against it."""
+    from densetrain.checkpoint.resume import check_resume_config, select_resume_checkpoint
+
+    latest = select_resume_checkpoint(run.checkpoint_dir, run_dir=run.run_dir)
+    if latest is None:
+        return
+    check_resume_config(latest, run.config_toml,
+                        allow_change=run.job.checkpoint.allow_config_change,
+                        run_dir=run.run_dir, vocab_size=run.model_cfg.vocab_size)
+    check_optimizer_layout(latest, run)
+    if not isinstance(run.optimizer, torch.optim.Optimizer):
+        init_optimizer_state(run.optimizer.optimizer)
+    load_checkpoint(latest, run.state_tree(), verify=False)  # verified just above
+    if hasattr(run.optimizer, "reload_params"):  # ZeRO-1/2 master chunks
+        run.optimizer.reload_params()
+    run.resumed_from = str(latest)
+    if run.is_main:
+        print(f"resumed from {latest} (step {run.counters.step})", file=sys.stderr)
+
+
+def _shutdown_process_group(succeeded: bool) -> None:
+    """Destroy the process group this process created."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
