@@ -387,8 +387,23 @@ def _resume(run: RunState) -> None:
 
 
 def _shutdown_process_group(succeeded: bool) -> None:
-    """Destroy the process group this process created."""
+    """Destroy the process groups this process created, in an order that is safe at exit.
+
+    After a successful run every rank first waits for the others (a barrier), so no rank
+    tears down its gloo/NCCL connections while a peer still writes its summary or plot; a
+    peer that exits early would otherwise make torchrun stop the others mid-write. The
+    checkpoint threads are already joined (`Checkpointer.close`). After an error there is no
+    barrier (a peer may be dead). Then every group is destroyed and the objects that still
+    refer to them (meshes, FSDP state) are collected while the interpreter is fully alive,
+    not during its finalisation.
+    """
+    import gc
+
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if succeeded:
+        dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
