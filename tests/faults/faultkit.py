@@ -71,3 +71,38 @@ def flip_byte(path: Path, offset: int | None = None) -> None:
 def truncate_half(path: Path) -> None:
     """Cut ``path`` to half its size."""
     os.truncate(path, path.stat().st_size // 2)
+
+
+def children(pid: int) -> list[int]:
+    """Child process ids of ``pid`` (Linux /proc)."""
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def env_of(pid: int) -> dict[str, str]:
+    """The environment of process ``pid``."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def logged_steps(run_dir: Path) -> int:
+    """The last step written to ``metrics.jsonl`` so far (0 when none)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()
+             if line.strip().endswith("}")]
+    return steps[-1] if steps else 0
+
+
+def mount_tmpfs(path: Path, size_bytes: int) -> bool:
+    """Mount a tmpfs of ``size_bytes`` at ``path``; False where mounting is not permitted."""
+    path.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs",
+                             str(path)], capture_output=True)
+    return result.returncode == 0
+
+
+def unmount(path: Path) -> None:
+    """Unmount a `mount_tmpfs` mount."""
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
