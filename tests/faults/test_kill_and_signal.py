@@ -80,10 +80,8 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint(
 
 def _torchrun(fault_cache: str, run_dir: Path, *extra: str, restarts: int = 0):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    port = 20000 + os.getpid() % 20000
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-               f"--max-restarts={restarts}", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{port}", "-m", "densetrain", "train",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", f"--max-restarts={restarts}", "-m", "densetrain", "train",
                *faultkit.overrides(fault_cache, run_dir, *LONG, "--parallel.dp_shard=2",
                                    *extra)]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
