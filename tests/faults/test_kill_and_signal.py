@@ -79,7 +79,10 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint(
 
 
 def _torchrun(fault_cache: str, run_dir: Path, *extra: str, restarts: int = 0):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # torchrun's agent otherwise shares its rendezvous store with the workers' process group,
+    # and a restarted group reads the dead workers' addresses from it (pytorch/pytorch#135712).
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node=2", f"--max-restarts={restarts}", "-m", "densetrain", "train",
                *faultkit.overrides(fault_cache, run_dir, *LONG, "--parallel.dp_shard=2",
@@ -96,6 +99,10 @@ def test_kill_9_of_a_rank_during_a_step_is_restarted_by_torchrun(fault_cache, tm
     run_dir = tmp_path / "run"
     child = _torchrun(fault_cache, run_dir, "--checkpoint.interval=3", restarts=1)
     _wait_for_step(child, run_dir, 5)
+    deadline = time.monotonic() + 300
+    while not list((run_dir / "checkpoints").glob("step-*/manifest.json")):
+        assert child.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
     workers = [p for agent in faultkit.children(child.pid) for p in [agent]
                if faultkit.env_of(p).get("RANK") == "1"]
     assert workers, "rank 1 not found"
