@@ -76,14 +76,34 @@ def _free_bytes(directory: Path) -> int | None:
     return stats.f_bavail * stats.f_frsize
 
 
+def _errors_in(err: BaseException) -> list[BaseException]:
+    """``err``, its causes, and the per-rank failures a DCP ``CheckpointException`` carries."""
+    found: list[BaseException] = []
+    pending: list[BaseException] = [err]
+    while pending:
+        seen = pending.pop()
+        if seen in found:
+            continue
+        found.append(seen)
+        pending += [e for e in (seen.__cause__, seen.__context__) if e is not None]
+        for failure in (getattr(seen, "failures", None) or {}).values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException):
+                pending.append(inner)
+    return found
+
+
 def _disk_is_full(err: BaseException, directory: Path) -> bool:
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in _FULL_ERRNOS:
-            return True
-        seen = seen.__cause__ or seen.__context__
+    if any(isinstance(e, OSError) and e.errno in _FULL_ERRNOS for e in _errors_in(err)):
+        return True
     free = _free_bytes(directory)
     return free is not None and free < _NEARLY_FULL_BYTES
+
+
+def _write_cut_short(err: BaseException) -> bool:
+    # torch's zip serializer reports a refused write as "unexpected pos N vs M" and drops the
+    # OSError that caused it.
+    return any("unexpected pos" in str(e) for e in _errors_in(err))
 
 
 def describe_write_error(err: BaseException, root: Path, step: int) -> str:
@@ -95,6 +115,10 @@ def describe_write_error(err: BaseException, root: Path, step: int) -> str:
         return (f"saving checkpoint step {step} into {root} failed: no space left on device "
                 f"({_free_bytes(root) or 0} bytes free); {kept}. Free space on that disk or "
                 "set checkpoint.dir to a larger one")
+    if _write_cut_short(err):
+        return (f"saving checkpoint step {step} into {root} failed: the filesystem cut a write "
+                "short, as a full disk (no space left on device) or an exhausted quota does "
+                f"({_free_bytes(root)} bytes free now); {kept}")
     return f"saving checkpoint step {step} into {root} failed ({type(err).__name__}: {err}); {kept}"
 
 
