@@ -137,3 +137,21 @@ def test_sigterm_sets_the_stop_request_and_the_exit_code() -> None:
         assert handler.should_stop() and handler.signal_name == "SIGTERM"
         assert handler.exit_code == 143
     assert signal.getsignal(signal.SIGTERM) == previous
+
+
+def test_a_save_past_the_grace_time_exits_with_the_signal_code(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    script = ("import os, signal, time\n"
+              "from densetrain.checkpoint.preemption import PreemptionHandler\n"
+              "with PreemptionHandler(grace_s=0.5):\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(30)  # a save that never finishes\n")
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 143
+    assert "did not finish within checkpoint.preemption_grace_s=0.5 s" in done.stderr
+    assert time.monotonic() - began < 25
