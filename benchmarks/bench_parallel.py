@@ -93,10 +93,10 @@ def _ddp_counting_hook(counter: _CommCounter):
 def _train(rank: int, world: int, layout: dict, steps: int) -> dict:
     cfg = ParallelConfig(**layout)
     dims = ParallelDims.from_config(cfg, world)
-    mesh = dims.build_mesh("cpu")
-    model = parallelize(Transformer(bench_model_config()), dims, mesh, cfg)
+    pmesh = dims.build_mesh("cpu")
+    model = parallelize(Transformer(bench_model_config()), pmesh, cfg)
     init_weights(model, SEED)
-    opt = build_optimizer(model, dims, mesh, cfg, _adamw)
+    opt = build_optimizer(model, pmesh, cfg, _adamw)
     counter = _CommCounter()
     if hasattr(model, "register_comm_hook"):
         model.register_comm_hook(dist.group.WORLD, _ddp_counting_hook(counter))
@@ -104,7 +104,7 @@ def _train(rank: int, world: int, layout: dict, steps: int) -> dict:
     times = []
     for step in range(steps):
         tokens, targets = _batch(step)
-        start_row = dims.dp_rank(mesh) * local
+        start_row = pmesh.dp_rank * local
         tokens, targets = tokens[start_row:start_row + local], targets[start_row:start_row + local]
         counter.elements = 0
         start = time.perf_counter()
@@ -139,9 +139,9 @@ def _pipeline_times(rank: int, world: int, microbatch_counts: list[int], steps: 
     for m in microbatch_counts:
         cfg = ParallelConfig(pp=2, dp_shard=1, pp_schedule="gpipe", pp_microbatches=m)
         dims = ParallelDims.from_config(cfg, world)
-        mesh = dims.build_mesh("cpu")
+        pmesh = dims.build_mesh("cpu")
         pipe = build_pipeline(
-            lambda: Transformer(bench_model_config()), dims, mesh, cfg,
+            lambda: Transformer(bench_model_config()), pmesh, cfg,
             lambda logits, t: cross_entropy_loss(logits, t).loss,
             init_seed=SEED, device=torch.device("cpu"),
         )

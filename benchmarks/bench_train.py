@@ -6,7 +6,7 @@ the report gives median step times. Memory: with ``--rss`` each variant also run
 its own child process, whose peak RSS is then its own. Both sides run the same architecture,
 the same random token batches, fused AdamW (β2 0.95, weight decay 0.1) and clipping at 1.0:
 
-* densetrain: ``Transformer.compute_loss`` with the chunked output projection + loss, through
+* densetrain: the model's ``forward`` with targets (the chunked output projection + loss), through
   the trainer's own `train_step`; eager or ``torch.compile`` (per block), fp32 or bf16 autocast.
 * transformers: ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` with SDPA attention and
   ``labels=`` loss; fp32 or bf16 autocast.
@@ -90,8 +90,9 @@ def _densetrain_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def _densetrain_step(spec: dict, dtype: str, compile_: bool):
     from densetrain.models import Transformer
-    from densetrain.optim import clip_grad_norm_
+    from densetrain.optim.interface import StandardOptimizer
     from densetrain.parallel.compile import apply_compile
+    from densetrain.parallel.model import LaidOutModel, model_loss_fn
     from densetrain.train.device import autocast_factory
     from densetrain.train.step import train_step
 
@@ -100,17 +101,14 @@ def _densetrain_step(spec: dict, dtype: str, compile_: bool):
     model.init_weights(seed=0)
     if compile_:
         apply_compile(model)
-    opt = _densetrain_optimizer(model)
+    opt = StandardOptimizer(model, _densetrain_optimizer(model))
     autocast = autocast_factory(torch.device("cpu"), dtype)
-    chunk = 1024
-
-    def loss_fn(m, batch):
-        return m.compute_loss(batch.inputs, batch.targets, chunk_size=chunk)
+    laid_out = LaidOutModel(module=model, loss_fn=model_loss_fn(1024))
 
     def step(batch) -> float:
         out = train_step(
-            model, opt, [batch], loss_fn=loss_fn, clip_grad_norm=clip_grad_norm_,
-            grad_clip=1.0, autocast=autocast, nan_policy="stop", step=1,
+            laid_out, opt, batch, micro_batch_size=batch.inputs.shape[0], grad_clip=1.0,
+            autocast=autocast, nan_policy="stop", step=1,
         )
         return float(out.loss)
 

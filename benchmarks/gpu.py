@@ -70,9 +70,10 @@ def run_child(size: str, seq: int, steps: int, warmup: int, smoke: bool) -> dict
     """Build, compile and time one size; return its figures."""
     from densetrain.data import Batch
     from densetrain.models import Transformer, flops_per_token_palm, param_counts
-    from densetrain.optim import clip_grad_norm_
+    from densetrain.optim.interface import StandardOptimizer
     from densetrain.parallel.config import ParallelConfig
     from densetrain.parallel.mesh import ParallelDims
+    from densetrain.parallel.model import LaidOutModel, model_loss_fn
     from densetrain.parallel.parallelize import parallelize
     from densetrain.train.device import autocast_factory, synchronize
     from densetrain.train.metrics import device_peak_flops
@@ -87,7 +88,8 @@ def run_child(size: str, seq: int, steps: int, warmup: int, smoke: bool) -> dict
     with torch.device("meta"):
         model = Transformer(cfg)
     pcfg = ParallelConfig(activation_checkpointing=ac)
-    model = parallelize(model, ParallelDims.from_config(pcfg, 1), None, pcfg, compile=not smoke)
+    model = parallelize(model, ParallelDims.from_config(pcfg, 1).build_mesh("cpu"), pcfg,
+                        compile=not smoke)
     model.to_empty(device=device)
     _fast_init(model, cfg.init_std)
     if not master_fp32:
@@ -96,9 +98,8 @@ def run_child(size: str, seq: int, steps: int, warmup: int, smoke: bool) -> dict
         model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=not smoke
     )
     autocast = autocast_factory(device, "bf16")
-
-    def loss_fn(m, batch):
-        return m.compute_loss(batch.inputs, batch.targets, chunk_size=4096)
+    laid_out = LaidOutModel(module=model, loss_fn=model_loss_fn(4096))
+    training_optimizer = StandardOptimizer(model, optimizer)
 
     gen = torch.Generator(device=device).manual_seed(0)
     times = []
@@ -107,9 +108,8 @@ def run_child(size: str, seq: int, steps: int, warmup: int, smoke: bool) -> dict
         batch = Batch(inputs=tokens[:, :-1], targets=tokens[:, 1:])
         synchronize(device)
         start = time.perf_counter()
-        out = train_step(model, optimizer, [batch], loss_fn=loss_fn,
-                         clip_grad_norm=clip_grad_norm_, grad_clip=1.0, autocast=autocast,
-                         nan_policy="stop", step=i + 1)
+        out = train_step(laid_out, training_optimizer, batch, micro_batch_size=micro,
+                         grad_clip=1.0, autocast=autocast, nan_policy="stop", step=i + 1)
         synchronize(device)
         if i >= warmup:
             times.append(time.perf_counter() - start)

@@ -19,8 +19,8 @@ class _StopAfter(Callback):
     def __init__(self, at: int) -> None:
         self.at = at
 
-    def on_step_end(self, run, output) -> None:
-        if run.counters.step == self.at:
+    def on_step_end(self, parts, progress, report) -> None:
+        if report.step == self.at:
             raise KeyboardInterrupt(f"stopped after step {self.at}")
 
 

@@ -4,6 +4,7 @@ per-rank training run of any layout, returning per-step losses and full final we
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -13,7 +14,7 @@ from densetrain.models.loss import cross_entropy_loss
 from densetrain.models.transformer import Transformer
 from densetrain.parallel.config import ParallelConfig
 from densetrain.parallel.memory import rank_memory
-from densetrain.parallel.mesh import ParallelDims
+from densetrain.parallel.mesh import ParallelDims, ParallelMesh
 from densetrain.parallel.parallelize import build_optimizer, init_weights, parallelize
 
 SEED = 1234
@@ -61,13 +62,6 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def clip_gradients(model: torch.nn.Module, opt, max_norm: float) -> torch.Tensor:
-    """Global-norm clipping: the ZeRO-1/2 optimizer's own, else torch's (DTensor aware)."""
-    if hasattr(opt, "clip_grad_norm_"):
-        return opt.clip_grad_norm_(max_norm)
-    return torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_norm)
-
-
 def run_control(
     steps: int = STEPS, model_overrides: dict | None = None, clip: float = 0.0
 ) -> dict:
@@ -82,27 +76,28 @@ def run_control(
         loss = cross_entropy_loss(model(tokens), targets).loss
         loss.backward()
         if clip:
-            clip_gradients(model, opt, clip)
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "weights": full_weights(model)}
 
 
-def _local_batch(dims: ParallelDims, mesh, step: int):
+def _local_batch(pmesh: ParallelMesh, step: int):
     tokens, targets = batch(step)
-    local = dims.local_batch_size(GLOBAL_BATCH)
-    start = dims.dp_rank(mesh) * local
+    local = pmesh.dims.local_batch_size(GLOBAL_BATCH)
+    start = pmesh.dp_rank * local
     return tokens[start : start + local], targets[start : start + local]
 
 
-def _cp_local(dims: ParallelDims, mesh, tokens, targets):
+def _cp_local(pmesh: ParallelMesh, tokens, targets):
     """This cp rank's slice of the sequence and its global positions (None without cp)."""
+    dims = pmesh.dims
     if dims.cp == 1:
         return tokens, targets, None
     from densetrain.parallel.context import local_positions, shard_sequence
 
-    cp_rank = dims.submesh(mesh, "cp").get_local_rank()
+    cp_rank = pmesh.local_rank("cp")
     positions = local_positions(SEQ_LEN, cp_rank, dims.cp).unsqueeze(0)
     return (
         shard_sequence(tokens, cp_rank, dims.cp),
@@ -111,8 +106,8 @@ def _cp_local(dims: ParallelDims, mesh, tokens, targets):
     )
 
 
-def _mean_over(value: torch.Tensor, dims: ParallelDims, mesh, axis: str) -> float:
-    sub = dims.submesh(mesh, axis)
+def _mean_over(value: torch.Tensor, pmesh: ParallelMesh, axis: str) -> float:
+    sub = pmesh.submesh(axis)
     if sub is None:
         return value.item()
     value = value.detach().clone()
@@ -120,8 +115,20 @@ def _mean_over(value: torch.Tensor, dims: ParallelDims, mesh, axis: str) -> floa
     return value.item() / sub.size()
 
 
-def setup_layout(world: int, layout: dict, *, compile: bool = False):
-    """(dims, mesh, model, optimizer) of the tiny model laid out on ``layout`` (no pp)."""
+@dataclass
+class LayoutRun:
+    """One layout's built pieces and how the ladder drives them."""
+
+    pmesh: ParallelMesh
+    model: torch.nn.Module
+    opt: object
+    via_compute_loss: bool
+    """Take the loss through the model's chunked head (the trainer's path), not full logits."""
+    clip: float
+
+
+def setup_layout(world: int, layout: dict, *, compile: bool = False) -> LayoutRun:
+    """The tiny model and its optimizer laid out on ``layout`` (no pp)."""
     layout = dict(layout)
     via_compute_loss = layout.pop("_compute_loss", False)
     clip = layout.pop("_clip", 0.0)
@@ -131,38 +138,33 @@ def setup_layout(world: int, layout: dict, *, compile: bool = False):
     dims.validate_for_model(
         model_cfg, SEQ_LEN, GLOBAL_BATCH, sequence_parallel=cfg.sequence_parallel
     )
-    mesh = dims.build_mesh("cpu")
-    model = parallelize(Transformer(model_cfg), dims, mesh, cfg, compile=compile)
+    pmesh = dims.build_mesh("cpu")
+    model = parallelize(Transformer(model_cfg), pmesh, cfg, compile=compile)
     init_weights(model, SEED)
-    opt = build_optimizer(model, dims, mesh, cfg, adamw)
-    if via_compute_loss:  # the trainer's path: Transformer.compute_loss (FSDP forward method)
-        from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
-
-        if isinstance(model, FSDPModule):
-            register_fsdp_forward_method(model, "compute_loss")
-        model._ladder_compute_loss = True
-    model._ladder_clip = clip
-    return dims, mesh, model, opt
+    opt = build_optimizer(model, pmesh, cfg, adamw)
+    return LayoutRun(pmesh=pmesh, model=model, opt=opt, via_compute_loss=via_compute_loss,
+                     clip=clip)
 
 
-def train_steps(dims, mesh, model, opt, steps: range, memory_at: int = -1):
+def train_steps(run: LayoutRun, steps: range, memory_at: int = -1):
     """Run ``steps`` (global step indices) and return (dp-averaged losses, memory report)."""
+    model, opt = run.model, run.opt
     losses, memory = [], None
     for step in steps:
-        tokens, targets = _local_batch(dims, mesh, step)
-        tokens, targets, positions = _cp_local(dims, mesh, tokens, targets)
-        if getattr(model, "_ladder_compute_loss", False):
+        tokens, targets = _local_batch(run.pmesh, step)
+        tokens, targets, positions = _cp_local(run.pmesh, tokens, targets)
+        if run.via_compute_loss:
             loss = model.compute_loss(tokens, targets, positions_BS=positions, chunk_size=8).loss
         else:
             loss = cross_entropy_loss(model(tokens, positions_BS=positions), targets).loss
         loss.backward()
         if step == memory_at:
             memory = rank_memory(model.parameters(), opt)
-        if model._ladder_clip:
-            clip_gradients(model, opt, model._ladder_clip)
+        if run.clip:
+            opt.clip_grad_norm_(run.clip)
         opt.step()
         opt.zero_grad()
-        losses.append(_mean_over(loss, dims, mesh, "dp_cp"))
+        losses.append(_mean_over(loss, run.pmesh, "dp_cp"))
     return losses, memory
 
 
@@ -170,12 +172,12 @@ def run_layout(
     rank: int, world: int, layout: dict, steps: int = STEPS, *, compile: bool = False
 ) -> dict:
     """Train the tiny model on ``layout`` (ParallelConfig fields, no pp) on this rank."""
-    dims, mesh, model, opt = setup_layout(world, layout, compile=compile)
+    run = setup_layout(world, layout, compile=compile)
     start = time.perf_counter()
-    losses, memory = train_steps(dims, mesh, model, opt, range(steps), memory_at=steps - 1)
+    losses, memory = train_steps(run, range(steps), memory_at=steps - 1)
     elapsed = time.perf_counter() - start
-    after_step = rank_memory(model.parameters(), opt)
-    weights = full_weights(getattr(model, "module", model))
+    after_step = rank_memory(run.model.parameters(), run.opt)
+    weights = full_weights(run.model)
     return {
         "losses": losses,
         "weights": weights if rank == 0 else None,
@@ -193,7 +195,8 @@ def run_checkpoint_segment(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    dims, mesh, model, opt = setup_layout(world, layout)
+    run = setup_layout(world, layout)
+    model, opt = run.model, run.opt.torch_optimizer
     if load_dir is not None:
         model_sd, optim_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": optim_sd}
@@ -201,7 +204,7 @@ def run_checkpoint_segment(
         set_state_dict(
             model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
-    losses, _ = train_steps(dims, mesh, model, opt, steps)
+    losses, _ = train_steps(run, steps)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=save_dir)
     weights = full_weights(model)
@@ -230,9 +233,9 @@ def run_pipeline_layout(rank: int, world: int, layout: dict, steps: int = STEPS)
     cfg = ParallelConfig(**layout)
     dims = ParallelDims.from_config(cfg, world)
     dims.validate_for_model(model_cfg, SEQ_LEN, GLOBAL_BATCH)
-    mesh = dims.build_mesh("cpu")
+    pmesh = dims.build_mesh("cpu")
     pipe = build_pipeline(
-        lambda: Transformer(model_cfg), dims, mesh, cfg, _lm_loss, init_seed=SEED,
+        lambda: Transformer(model_cfg), pmesh, cfg, _lm_loss, init_seed=SEED,
         device=torch.device("cpu"),
     )
     params = [p for m in pipe.modules for p in m.parameters()]
@@ -240,13 +243,13 @@ def run_pipeline_layout(rank: int, world: int, layout: dict, steps: int = STEPS)
     losses = []
     start = time.perf_counter()
     for step in range(steps):
-        tokens, targets = _local_batch(dims, mesh, step)
+        tokens, targets = _local_batch(pmesh, step)
         loss = pipe.step(tokens, targets)
         opt.step()
         opt.zero_grad()
         value = loss.detach() if loss is not None else torch.zeros(())
-        dist.all_reduce(value, group=dims.submesh(mesh, "pp").get_group())
-        losses.append(_mean_over(value, dims, mesh, "dp"))
+        dist.all_reduce(value, group=pmesh.group("pp"))
+        losses.append(_mean_over(value, pmesh, "dp"))
     elapsed = time.perf_counter() - start
     weights = {}
     for m in pipe.modules:

@@ -31,7 +31,6 @@ from densetrain.checkpoint.manifest import Damage
 from densetrain.checkpoint.saving import save_checkpoint
 from densetrain.checkpoint.state import (
     ModelState,
-    OptimizerState,
     RNGState,
     TrainerCounters,
     capture_rng_state,
@@ -45,7 +44,6 @@ __all__ = [
     "Damage",
     "ModelState",
     "NonFiniteStateError",
-    "OptimizerState",
     "RNGState",
     "TrainerCounters",
     "capture_rng_state",

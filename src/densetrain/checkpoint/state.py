@@ -4,10 +4,11 @@ Every entry of the tree handed to `save_checkpoint` has ``state_dict()`` / ``loa
 (the `torch.distributed.checkpoint.stateful.Stateful` protocol): DCP calls ``state_dict()`` to
 build the template, reads into it in place, then calls ``load_state_dict()``.
 
-* `ModelState` / `OptimizerState` go through `torch.distributed.checkpoint.state_dict`
-  (`get_model_state_dict` & co.), which turns FSDP2/TP-sharded parameters into DTensors with
-  their global shapes and strips wrapper prefixes (``_orig_mod.`` from `torch.compile`,
-  activation-checkpoint wrappers), so a checkpoint is layout-independent.
+* `ModelState` goes through `torch.distributed.checkpoint.state_dict` (`get_model_state_dict`),
+  which turns FSDP2/TP-sharded parameters into DTensors with their global shapes and strips
+  wrapper prefixes (``_orig_mod.`` from `torch.compile`, activation-checkpoint wrappers), so a
+  checkpoint is layout-independent. Optimizers are Stateful themselves
+  (``densetrain.optim.interface.TrainingOptimizer``).
 * `RNGState` keeps one entry per rank (torch CPU and CUDA generators, NumPy, Python `random`),
   pickled to bytes because the generator states are opaque and differ in size between builds.
 * `TrainerCounters` holds the step and token counters.
@@ -23,12 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 
 class ModelState:
@@ -44,34 +40,6 @@ class ModelState:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Copy ``state_dict`` into the model (strict: every key must be present)."""
         set_model_state_dict(self.model, state_dict)
-
-
-class OptimizerState:
-    """Stateful view of an optimizer whose state is keyed by parameter names (not ids).
-
-    A ``torch.optim.Optimizer`` goes through `get_optimizer_state_dict` (layout-independent).
-    An optimizer that only holds this rank's part of the state (the ZeRO-1/2 wrapper of
-    ``densetrain.parallel.zero``) is stored under a per-rank key: such a checkpoint resumes on
-    the same number of ranks only, and loading it on another fails naming the missing entry.
-    """
-
-    def __init__(self, model: torch.nn.Module, optimizer: Any) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.per_rank = not isinstance(optimizer, torch.optim.Optimizer)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state keyed by fully-qualified parameter names (or by rank)."""
-        if self.per_rank:
-            return {f"rank{_rank()}": self.optimizer.state_dict()}
-        return get_optimizer_state_dict(self.model, self.optimizer)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load ``state_dict`` (as produced by `state_dict`) into the optimizer."""
-        if self.per_rank:
-            self.optimizer.load_state_dict(state_dict[f"rank{_rank()}"])
-            return
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
 
 
 def _rank() -> int:

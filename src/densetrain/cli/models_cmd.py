@@ -101,6 +101,15 @@ def _model_info(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"densetrain model-info: error: {error}", file=sys.stderr)
         return 2
+    serving_rows: list[tuple] = []
+    if args.serve:
+        from densetrain.cli.serving_args import serving_info
+
+        try:
+            info["serving"], serving_rows = serving_info(args, info["config"])
+        except ValueError as error:
+            print(f"densetrain model-info: error: {error}", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -119,6 +128,7 @@ def _model_info(args: argparse.Namespace) -> int:
          f"12LHQT), {info['flops_per_token_chinchilla']:.4g} (Chinchilla App. F)"),
         ("KV cache/token", f"{info['kv_cache_bytes_per_token']:,} bytes at "
                            f"{info['kv_cache_bytes_per_elem']} bytes per element"),
+        *serving_rows,
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
@@ -159,4 +169,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="sequence length for FLOPs (default: the preset's max_seq_len)")
     info.add_argument("--kv-bytes", type=int, default=2,
                       help="bytes per KV-cache element (default 2: bf16)")
+    from densetrain.cli.serving_args import add_serving_arguments
+
+    add_serving_arguments(info)
     info.set_defaults(func=_model_info)

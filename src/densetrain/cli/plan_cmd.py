@@ -27,6 +27,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "fields are kept (default llama3-8b)")
     p.add_argument("--flops", type=float, default=None,
                    help="training budget in FLOPs: plan a compute-optimal run")
+    p.add_argument("--inference-tokens", type=float, default=0.0,
+                   help="with --flops: expected lifetime inference tokens; --flops is then the "
+                   "training + inference budget and the plan is the over-trained run "
+                   "(Sardana et al. 2024)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
     p.add_argument("--cluster", default="h100-80gb", help="built-in or custom cluster name")
@@ -105,11 +109,14 @@ def run_plan_command(args: argparse.Namespace) -> int:
                       devices=args.devices, cluster=cluster, settings=settings, space=space)
         if args.flops is not None:
             base = _load_model(args.model or "llama3-8b")
-            plan = plan_run(args.flops, base=base, **common)
+            plan = plan_run(args.flops, base=base, inference_tokens=args.inference_tokens,
+                            **common)
             print(format_run_plan(plan))
             print()
             print(full_report(plan.layout_plan, top=args.top))
             return 0
+        if args.inference_tokens:
+            raise ValueError("--inference-tokens needs --flops (a lifetime FLOP budget)")
         if args.model is None:
             raise ValueError("--model is required without --flops (a preset name or a file)")
         result = search(_load_model(args.model), **common)

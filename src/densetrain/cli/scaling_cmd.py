@@ -167,28 +167,29 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
 
 def _register_optimal(sub) -> None:
-    p = sub.add_parser("optimal", help="print compute-optimal N and D for a FLOP budget")
-    p.add_argument("--flops", type=float, required=True, help="training FLOP budget C")
+    p = sub.add_parser("optimal", help="print compute-optimal N and D for a FLOP budget or a "
+                       "target loss, optionally counting an inference budget")
+    goal = p.add_mutually_exclusive_group(required=True)
+    goal.add_argument("--flops", type=float, help="FLOP budget C (training, plus inference "
+                      "when --inference-tokens is given)")
+    goal.add_argument("--target-loss", type=float,
+                      help="loss to reach at the least training + inference FLOPs")
+    p.add_argument("--inference-tokens", type=float, default=0.0,
+                   help="tokens the model will process at inference over its life (2N FLOPs "
+                   "each; Sardana et al. 2024). Default 0: Chinchilla's training-only optimum")
     p.add_argument("--fit", default=None,
                    help="fit.json from `scaling fit` (default: Chinchilla's published fit)")
     p.set_defaults(func=_cmd_optimal)
 
 
 def _cmd_optimal(args: argparse.Namespace) -> int:
-    from densetrain.scaling.analysis import load_parametric_law
-    from densetrain.scaling.laws import CHINCHILLA_UNROUNDED
-    from densetrain.scaling.optimal import chinchilla_optimal
+    from densetrain.scaling.optimal_report import optimal_report
 
     try:
-        law = load_parametric_law(args.fit) if args.fit else CHINCHILLA_UNROUNDED
-        alloc = chinchilla_optimal(law, args.flops)
+        text = optimal_report(flops=args.flops, target_loss=args.target_loss,
+                              inference_tokens=args.inference_tokens, fit_path=args.fit)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    source = args.fit or "Chinchilla approach 3 (Hoffmann et al. 2022, E=1.6934, A=406.4, "
-    source = source if args.fit else source + "B=410.7, alpha=0.3392, beta=0.2849)"
-    print(f"law: {source}")
-    print(f"C      = {alloc.flops:.4g} FLOPs")
-    print(f"N_opt  = {alloc.num_params:.4g} parameters")
-    print(f"D_opt  = {alloc.num_tokens:.4g} tokens ({alloc.tokens_per_param:.1f} tokens/param)")
+    print(text)
     return 0

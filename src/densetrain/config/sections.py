@@ -117,7 +117,8 @@ class EvalConfig:
 
     Attributes:
         interval: evaluate every this many steps; 0 turns evaluation off.
-        num_batches: validation batches per evaluation.
+        num_batches: validation batches (of ``training.global_batch_size`` sequences, the same
+            on every layout) per evaluation.
         sample_prompt: prompt of the greedy sample generated at each evaluation; empty = none.
         sample_tokens: new tokens in that sample.
     """

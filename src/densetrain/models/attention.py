@@ -35,6 +35,51 @@ class AttentionMask:
     mask: torch.Tensor | None = None
 
 
+class AttentionFn(Protocol):
+    """The attention kernel of an `Attention` module, its public strategy point.
+
+    ``attention_fn(q_BHSK, k_BGTK, v_BGTK, mask, *, dropout_p, enable_gqa) -> out_BHSK``. The
+    default is `scaled_dot_product`; parallel layouts that change how attention sees the
+    sequence (context parallel) set their own function on each module's ``attention_fn``.
+    """
+
+    def __call__(
+        self,
+        q_BHSK: torch.Tensor,
+        k_BGTK: torch.Tensor,
+        v_BGTK: torch.Tensor,
+        mask: AttentionMask,
+        *,
+        dropout_p: float,
+        enable_gqa: bool,
+    ) -> torch.Tensor: ...
+
+
+def scaled_dot_product(
+    q_BHSK: torch.Tensor,
+    k_BGTK: torch.Tensor,
+    v_BGTK: torch.Tensor,
+    mask: AttentionMask,
+    *,
+    dropout_p: float,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """The default `AttentionFn`: torch's fused SDPA, causal without a mask tensor when it can.
+
+    ``enable_gqa`` measured about 1.2x faster than expanding the kv heads with repeat_interleave
+    on CPU (fwd+bwd; bench_model.py --gqa, benchmarks/RESULTS.md).
+    """
+    return F.scaled_dot_product_attention(
+        q_BHSK,
+        k_BGTK,
+        v_BGTK,
+        attn_mask=mask.mask,
+        is_causal=mask.is_causal,
+        dropout_p=dropout_p,
+        enable_gqa=enable_gqa,
+    )
+
+
 class LayerCache(Protocol):
     """Per-layer key/value store used during generation (see ``densetrain.generate``)."""
 
@@ -92,6 +137,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.q_dim, config.dim, bias=config.attn_out_bias)
         self.q_norm = build_head_norm(config) if config.qk_norm else None
         self.k_norm = build_head_norm(config) if config.qk_norm else None
+        self.attention_fn: AttentionFn = scaled_dot_product
+        """The attention kernel (see `AttentionFn`); ``densetrain.parallel`` may replace it."""
 
     def forward(
         self,
@@ -118,25 +165,10 @@ class Attention(nn.Module):
         v_BGTK = v_BSGK.transpose(1, 2)
         if kv_cache is not None:
             k_BGTK, v_BGTK = kv_cache.update(k_BGTK, v_BGTK)
-        out_BHSK = self._sdpa(q_BHSK, k_BGTK, v_BGTK, mask)
-        out_BSD = out_BHSK.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
-        return self.wo(out_BSD)
-
-    def _sdpa(
-        self,
-        q_BHSK: torch.Tensor,
-        k_BGTK: torch.Tensor,
-        v_BGTK: torch.Tensor,
-        mask: AttentionMask,
-    ) -> torch.Tensor:
-        # ``enable_gqa`` measured about 1.2x faster than expanding the kv heads with
-        # repeat_interleave on CPU (fwd+bwd; bench_model.py --gqa, benchmarks/RESULTS.md).
-        return F.scaled_dot_product_attention(
-            q_BHSK,
-            k_BGTK,
-            v_BGTK,
-            attn_mask=mask.mask,
-            is_causal=mask.is_causal,
+        out_BHSK = self.attention_fn(
+            q_BHSK, k_BGTK, v_BGTK, mask,
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.num_kv_heads != self.num_heads,
         )
+        out_BSD = out_BHSK.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
+        return self.wo(out_BSD)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -111,9 +112,10 @@ class Transformer(nn.Module):
             self.output = nn.Linear(
                 config.embed_dim, config.padded_vocab_size, bias=config.lm_head_bias
             )
-        self._output_seed_name = "output.weight"
-        # compute_loss runs its per-chunk softmax/loss kernel through torch.compile when True
-        # (set by densetrain.parallel.compile.apply_compile with training.compile).
+        # Public strategy points that densetrain.parallel sets (the model never looks at how it
+        # is laid out): the loss of the output head (tensor parallel sets a vocab-parallel one)
+        # and whether the chunked loss runs its per-chunk kernel through torch.compile.
+        self.loss_head: LossHead = lm_head_loss
         self.compile_loss_kernel = False
 
     # ------------------------------------------------------------------ forward
@@ -121,23 +123,30 @@ class Transformer(nn.Module):
         self,
         tokens_BS: torch.Tensor,
         *,
+        targets_BS: torch.Tensor | None = None,
         positions_BS: torch.Tensor | None = None,
         document_ids_BS: torch.Tensor | None = None,
         kv_cache=None,
-    ) -> torch.Tensor:
-        """Logits [B, S, vocab_size] for token ids [B, S] (padding rows never show).
+        loss_chunk_size: int | None = None,
+    ) -> torch.Tensor | LossOutput:
+        """Logits [B, S, vocab_size] for token ids [B, S] (padding rows never show), or with
+        ``targets_BS`` the language-model loss (`LossOutput`) computed by ``loss_head``.
 
         ``document_ids_BS`` (equal within a document, documents contiguous) stops attention across
         documents and, when ``positions_BS`` is None, restarts positions at each document.
         ``kv_cache`` (from ``densetrain.generate``) is used for incremental decoding; then
         ``positions_BS`` must give the absolute positions of the new tokens. Without ``output``
-        (a pipeline stage) the hidden states [B, S, D] are returned instead.
+        (a pipeline stage) the hidden states [B, S, D] are returned instead. The loss is part
+        of ``forward`` so that wrappers acting on ``forward`` (FSDP2, DDP) see the whole step,
+        and the chunked head (``loss_chunk_size``) never materialises the full logits.
         """
         hidden = self.forward_hidden(
             tokens_BS, positions_BS=positions_BS, document_ids_BS=document_ids_BS, kv_cache=kv_cache
         )
         if self.output is None:
             return hidden
+        if targets_BS is not None:
+            return self.loss_head(self, hidden, targets_BS, chunk_size=loss_chunk_size)
         return self.logits(hidden)
 
     def forward_hidden(
@@ -228,8 +237,8 @@ class Transformer(nn.Module):
         if isinstance(self.output, TiedOutput):
             if self.tok_embeddings is None:
                 raise RuntimeError(
-                    "tied output head without tok_embeddings (a last pipeline stage): call "
-                    "untie_for_pipeline() before removing tok_embeddings"
+                    "tied output head without tok_embeddings: pipeline stages need untied "
+                    "embeddings"
                 )
             return self.tok_embeddings.weight
         if self.output is None:
@@ -250,58 +259,16 @@ class Transformer(nn.Module):
         document_ids_BS: torch.Tensor | None = None,
         chunk_size: int | None = None,
     ) -> LossOutput:
-        """Language-model loss with the config's ``ignore_index`` and ``z_loss_coef``.
+        """Language-model loss with the config's ``ignore_index`` and ``z_loss_coef``: the same
+        as ``self(tokens_BS, targets_BS=targets_BS, ...)`` (it goes through ``forward``).
 
         With ``chunk_size`` the output projection and cross-entropy run ``chunk_size`` tokens at
         a time and full logits are never materialised (forward or backward).
         """
-        hidden_BSE = self.forward_hidden(
-            tokens_BS, positions_BS=positions_BS, document_ids_BS=document_ids_BS
+        return self(
+            tokens_BS, targets_BS=targets_BS, positions_BS=positions_BS,
+            document_ids_BS=document_ids_BS, loss_chunk_size=chunk_size,
         )
-        cfg = self.config
-        if chunk_size is None:
-            return cross_entropy_loss(
-                self.logits(hidden_BSE),
-                targets_BS,
-                ignore_index=cfg.ignore_index,
-                z_loss_coef=cfg.z_loss_coef,
-            )
-        return chunked_lm_loss(
-            hidden_BSE,
-            self.output_weight(),
-            targets_BS,
-            vocab_size=cfg.vocab_size,
-            chunk_size=chunk_size,
-            ignore_index=cfg.ignore_index,
-            z_loss_coef=cfg.z_loss_coef,
-            output_bias_P=self.output.bias,
-            compiled=self.compile_loss_kernel,
-        )
-
-    def untie_for_pipeline(self) -> None:
-        """Give a tied model's output head its own weight (a copy of the embedding).
-
-        A pipeline whose last stage lacks ``tok_embeddings`` calls this before the split; the
-        copy is initialised by ``init_weights`` from the embedding's seed, so both copies start
-        equal. The pipeline must then all-reduce the gradients of ``tok_embeddings.weight``
-        (first stage) and ``output.weight`` (last stage) between those stages to keep them tied.
-        """
-        if not isinstance(self.output, TiedOutput):
-            return
-        cfg = self.config
-        weight = self.tok_embeddings.weight if self.tok_embeddings is not None else None
-        device = weight.device if weight is not None else next(self.parameters()).device
-        dtype = weight.dtype if weight is not None else next(self.parameters()).dtype
-        head = nn.Linear(
-            cfg.embed_dim, cfg.padded_vocab_size, bias=cfg.lm_head_bias, device=device, dtype=dtype
-        )
-        with torch.no_grad():
-            if weight is not None and device.type != "meta":
-                head.weight.copy_(weight)
-            if self.output.bias is not None and device.type != "meta":
-                head.bias.copy_(self.output.bias)
-        self.output = head
-        self._output_seed_name = "tok_embeddings.weight"
 
     # ------------------------------------------------------------------ initialisation
     @torch.no_grad()
@@ -338,12 +305,56 @@ class Transformer(nn.Module):
                 elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                     param.fill_(1.0)
                 elif isinstance(module, (nn.Linear, nn.Embedding)):
-                    seed_name = self._output_seed_name if name == "output.weight" else name
                     is_residual = name.endswith(("attn.wo.weight", "mlp.w_down.weight"))
                     std = residual_std if is_residual else cfg.init_std
-                    write(param, _seeded_normal(param.shape, std, seed, seed_name))
+                    write(param, _seeded_normal(param.shape, std, seed, name))
                 else:
                     raise RuntimeError(f"no initialisation rule for parameter {name}")
+
+
+class LossHead(Protocol):
+    """``loss_head(model, hidden_BSE, targets_BS, *, chunk_size) -> LossOutput``: the loss of the
+    model's output head over the final hidden states (a public strategy point of `Transformer`).
+    """
+
+    def __call__(
+        self,
+        model: Transformer,
+        hidden_BSE: torch.Tensor,
+        targets_BS: torch.Tensor,
+        *,
+        chunk_size: int | None,
+    ) -> LossOutput: ...
+
+
+def lm_head_loss(
+    model: Transformer,
+    hidden_BSE: torch.Tensor,
+    targets_BS: torch.Tensor,
+    *,
+    chunk_size: int | None,
+) -> LossOutput:
+    """The default `LossHead`: cross-entropy (+ z-loss) of the full logits, or with
+    ``chunk_size`` the chunked head that never materialises them (`chunked_lm_loss`)."""
+    cfg = model.config
+    if chunk_size is None:
+        return cross_entropy_loss(
+            model.logits(hidden_BSE),
+            targets_BS,
+            ignore_index=cfg.ignore_index,
+            z_loss_coef=cfg.z_loss_coef,
+        )
+    return chunked_lm_loss(
+        hidden_BSE,
+        model.output_weight(),
+        targets_BS,
+        vocab_size=cfg.vocab_size,
+        chunk_size=chunk_size,
+        ignore_index=cfg.ignore_index,
+        z_loss_coef=cfg.z_loss_coef,
+        output_bias_P=model.output.bias,
+        compiled=model.compile_loss_kernel,
+    )
 
 
 def _copy_full(param: torch.Tensor, value: torch.Tensor) -> None:

@@ -32,14 +32,28 @@ def clip_grad_norm_(
     unscaled by torch's rule (and raise with ``error_if_nonfinite``).
     """
     params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    if not grads:
+    if not params:
         return torch.tensor(0.0)
-    total = torch.nn.utils.get_total_norm(
-        grads, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach
-    )
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    # Tensor parallel without sequence parallel leaves the norms' weights plain (replicated)
+    # tensors beside DTensor shards; torch's foreach norm refuses the mix, so each kind is
+    # reduced on its own and the two totals combined.
+    sharded = [p.grad for p in params if isinstance(p.grad, DTensor)]
+    plain = [p.grad for p in params if not isinstance(p.grad, DTensor)]
+    totals = []
+    for grads in (sharded, plain):
+        if grads:
+            part = torch.nn.utils.get_total_norm(
+                grads, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
+                foreach=foreach,
+            )
+            totals.append(part.full_tensor() if isinstance(part, DTensor) else part)
+    if len(totals) == 1:
+        total = totals[0]
+    elif math.isinf(norm_type):
+        total = torch.maximum(totals[0], totals[1].to(totals[0].device))
+    else:
+        total = (totals[0] ** norm_type + totals[1].to(totals[0].device) ** norm_type) ** (
+            1.0 / norm_type)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         if math.isinf(norm_type):
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
@@ -48,5 +62,8 @@ def clip_grad_norm_(
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
             total = total ** (1.0 / norm_type)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+        for kind in (True, False):
+            group = [p for p in params if isinstance(p.grad, DTensor) is kind]
+            if group:
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
     return total

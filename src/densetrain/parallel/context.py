@@ -14,8 +14,6 @@ it must also handle the model's GQA kv expansion.
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import nn
 from torch.distributed._functional_collectives import all_gather_tensor_autograd
@@ -43,39 +41,50 @@ def shard_sequence(x_BS: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
     return x_BS[:, local_positions(x_BS.shape[1], cp_rank, cp).to(x_BS.device)]
 
 
-def _cp_sdpa(self, q_BHSK, k_BGTK, v_BGTK, mask):
-    from densetrain.models.attention import AttentionMask
+class ContextParallelAttention:
+    """The `AttentionFn` of one attention module under context parallel: keys and values are
+    all-gathered over the cp group and each local query is masked by the global positions of
+    the gathered keys (exact causal attention over the whole sequence)."""
 
-    if not mask.is_causal:
-        raise ValueError(
-            "context parallel supports the plain causal mask only (no document masks, ALiBi or "
-            "sliding windows shorter than the sequence)"
-        )
-    cp, cp_rank, group = self._cp_size, self._cp_rank, self._cp_group
-    local_len = q_BHSK.shape[2]
-    seq_len = local_len * cp
-    k_all = all_gather_tensor_autograd(k_BGTK.contiguous(), gather_dim=2, group=group)
-    v_all = all_gather_tensor_autograd(v_BGTK.contiguous(), gather_dim=2, group=group)
-    device = q_BHSK.device
-    q_pos_S = local_positions(seq_len, cp_rank, cp).to(device)
-    k_pos_T = torch.cat([local_positions(seq_len, r, cp) for r in range(cp)]).to(device)
-    allowed_11ST = (k_pos_T.unsqueeze(0) <= q_pos_S.unsqueeze(1))[None, None]
-    cp_mask = AttentionMask(is_causal=False, mask=allowed_11ST)
-    return self._cp_inner_sdpa(q_BHSK, k_all, v_all, cp_mask)
+    def __init__(self, group, cp_size: int, cp_rank: int) -> None:
+        self.group = group
+        self.cp_size = cp_size
+        self.cp_rank = cp_rank
+
+    def __call__(self, q_BHSK, k_BGTK, v_BGTK, mask, *, dropout_p: float, enable_gqa: bool):
+        """Attention of this rank's queries over the keys of every cp rank."""
+        from densetrain.models.attention import AttentionMask, scaled_dot_product
+
+        if not mask.is_causal:
+            raise ValueError(
+                "context parallel supports the plain causal mask only (no document masks, ALiBi "
+                "or sliding windows shorter than the sequence)"
+            )
+        cp, cp_rank, group = self.cp_size, self.cp_rank, self.group
+        seq_len = q_BHSK.shape[2] * cp
+        k_all = all_gather_tensor_autograd(k_BGTK.contiguous(), gather_dim=2, group=group)
+        v_all = all_gather_tensor_autograd(v_BGTK.contiguous(), gather_dim=2, group=group)
+        device = q_BHSK.device
+        q_pos_S = local_positions(seq_len, cp_rank, cp).to(device)
+        k_pos_T = torch.cat([local_positions(seq_len, r, cp) for r in range(cp)]).to(device)
+        allowed_11ST = (k_pos_T.unsqueeze(0) <= q_pos_S.unsqueeze(1))[None, None]
+        cp_mask = AttentionMask(is_causal=False, mask=allowed_11ST)
+        return scaled_dot_product(q_BHSK, k_all, v_all, cp_mask, dropout_p=dropout_p,
+                                  enable_gqa=enable_gqa)
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh) -> nn.Module:
-    """Make every attention of ``model`` attend over the keys of all cp ranks (in place).
+    """Make every attention of ``model`` attend over the keys of all cp ranks (in place), by
+    setting each `Attention` module's public ``attention_fn``.
 
     The caller feeds each rank ``shard_sequence(tokens)`` with
     ``positions_BS = local_positions(S, cp_rank, cp)`` and the matching targets.
     """
-    group = cp_mesh.get_group()
+    from densetrain.models.attention import Attention
+
+    attention = ContextParallelAttention(cp_mesh.get_group(), cp_mesh.size(),
+                                         cp_mesh.get_local_rank())
     for module in model.modules():
-        if hasattr(module, "_sdpa") and hasattr(module, "wk"):
-            module._cp_inner_sdpa = module._sdpa
-            module._cp_group = group
-            module._cp_size = cp_mesh.size()
-            module._cp_rank = cp_mesh.get_local_rank()
-            module._sdpa = types.MethodType(_cp_sdpa, module)
+        if isinstance(module, Attention):
+            module.attention_fn = attention
     return model

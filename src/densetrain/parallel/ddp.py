@@ -9,8 +9,6 @@ it can be applied to a model built on the meta device before ``to_empty()``. Per
 
 from __future__ import annotations
 
-import types
-
 from torch import nn
 from torch.distributed._composable import replicate
 
@@ -18,12 +16,8 @@ from torch.distributed._composable import replicate
 def apply_ddp(model: nn.Module, mesh, *, bucket_cap_mb: float = 25.0) -> nn.Module:
     """Replicate ``model`` over the 1-D ``mesh`` in place; returns ``model``.
 
-    DDP synchronises gradients from hooks around ``forward``, so ``compute_loss`` (the fused,
-    chunked head) is replaced by the loss of ``forward``'s logits on this model.
+    DDP synchronises gradients from hooks around ``forward``; the model's loss is part of its
+    ``forward`` (``targets_BS``), so the chunked head runs under DDP unchanged.
     """
     replicate(model, device_mesh=mesh, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=False)
-    if hasattr(model, "compute_loss"):
-        from densetrain.parallel.loss import compute_loss_via_forward
-
-        model.compute_loss = types.MethodType(compute_loss_via_forward, model)
     return model

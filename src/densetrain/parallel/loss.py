@@ -85,17 +85,3 @@ def vocab_parallel_cross_entropy(
         z_loss = torch.zeros((), device=logits_NL.device)
     loss = ce_loss + z_loss
     return LossOutput(loss, ce_loss.detach(), z_loss.detach(), num_tokens)
-
-
-def compute_loss_via_forward(
-    self, tokens_BS, targets_BS, *, positions_BS=None, document_ids_BS=None, chunk_size=None
-):
-    """``Transformer.compute_loss`` for wrappers that act on ``forward`` (DDP): the loss of the
-    full logits that ``forward`` returns (``chunk_size`` is not used)."""
-    from densetrain.models.loss import cross_entropy_loss
-
-    logits_BSV = self(tokens_BS, positions_BS=positions_BS, document_ids_BS=document_ids_BS)
-    cfg = self.config
-    return cross_entropy_loss(
-        logits_BSV, targets_BS, ignore_index=cfg.ignore_index, z_loss_coef=cfg.z_loss_coef
-    )

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from densetrain.optim.interface import TrainingOptimizer
+
 
 @dataclass(kw_only=True, frozen=True)
 class RankMemory:
@@ -50,12 +52,12 @@ def _bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def rank_memory(
-    params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer | None = None
+    params: Iterable[torch.Tensor], optimizer: TrainingOptimizer | None = None
 ) -> RankMemory:
     """Count the bytes this rank holds for ``params``, their ``.grad`` and ``optimizer`` state.
 
-    A ZeRO-1/2 ``ZeroOptimizer`` adds its gradient chunks to the gradients and its fp32 master
-    chunks to the optimizer states (the paper counts master weights in the K·Ψ of §3.1).
+    The optimizer's own gradient shards (ZeRO-2) count as gradients and its master chunks
+    (ZeRO-1/2) as optimizer states (the paper counts master weights in the K·Ψ of §3.1).
     """
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
@@ -65,8 +67,8 @@ def rank_memory(
             optim_tensors.extend(
                 v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step"
             )
-        grads.extend(getattr(optimizer, "grad_shards", list)())
-        optim_tensors.extend(getattr(optimizer, "optimizer_tensors", list)())
+        grads.extend(optimizer.grad_shards())
+        optim_tensors.extend(optimizer.optimizer_tensors())
     return RankMemory(
         param_bytes=_bytes(params), grad_bytes=_bytes(grads), optim_bytes=_bytes(optim_tensors)
     )

@@ -9,13 +9,16 @@ flattened axes are added for the groups several steps share:
   weights, so they shard them too, as Llama 3 does).
 - ``dp_cp``       = dp_replicate × dp_shard × cp: the group the loss is averaged over.
 
-`submesh(mesh, name)` returns the named (possibly flattened) sub-mesh, or None when its degree is 1.
+`ParallelDims.build_mesh` returns the `ParallelMesh` (degrees + ``DeviceMesh``) that every parallel
+step receives; its `submesh(name)` is the named (possibly flattened) sub-mesh, or None when its
+degree is 1.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from densetrain.parallel.config import ParallelConfig
 
@@ -146,8 +149,9 @@ class ParallelDims:
         """Mesh axes of degree > 1, outermost first."""
         return [a for a in MESH_AXES if getattr(self, a) > 1]
 
-    def build_mesh(self, device_type: str):
-        """Build the ``DeviceMesh`` over the active axes (plus flattened ones); None on one rank.
+    def build_mesh(self, device_type: str) -> ParallelMesh:
+        """The `ParallelMesh` of this layout: the ``DeviceMesh`` over the active axes (plus
+        flattened ones), or none on one rank.
 
         The default process group must be initialised (see ``parallel.distributed``).
         """
@@ -155,7 +159,7 @@ class ParallelDims:
 
         axes = self.active_axes()
         if not axes:
-            return None
+            return ParallelMesh(dims=self, device_mesh=None)
         mesh = init_device_mesh(
             device_type, tuple(getattr(self, a) for a in axes), mesh_dim_names=tuple(axes)
         )
@@ -163,22 +167,42 @@ class ParallelDims:
             present = tuple(a for a in parts if a in axes)
             if len(present) > 1:
                 mesh[present]._flatten(flat_name)
-        return mesh
-
-    def submesh(self, mesh, name: str):
-        """The sub-mesh for axis ``name`` (a mesh or flattened axis), or None if its degree is 1."""
-        if mesh is None or self.degree(name) == 1:
-            return None
-        if name in MESH_AXES:
-            return mesh[name]
-        present = [a for a in FLATTENED_AXES[name] if getattr(self, a) > 1]
-        return mesh[present[0]] if len(present) == 1 else mesh[name]
-
-    def dp_rank(self, mesh) -> int:
-        """This rank's index among the data-parallel ranks (which slice of the batch it reads)."""
-        sub = self.submesh(mesh, "dp")
-        return 0 if sub is None else sub.get_local_rank()
+        return ParallelMesh(dims=self, device_mesh=mesh)
 
     def local_batch_size(self, global_batch_size: int) -> int:
         """Sequences per data-parallel rank per step."""
         return global_batch_size // self.dp_size
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """One layout on the real ranks: its degrees (``dims``) and the ``DeviceMesh`` built from
+    them (None on one process). Every parallel step receives this one object and takes its own
+    named sub-mesh from it."""
+
+    dims: ParallelDims
+    device_mesh: Any
+
+    def submesh(self, name: str):
+        """The sub-mesh for axis ``name`` (a mesh or flattened axis), or None if its degree is 1."""
+        if self.device_mesh is None or self.dims.degree(name) == 1:
+            return None
+        if name in MESH_AXES:
+            return self.device_mesh[name]
+        present = [a for a in FLATTENED_AXES[name] if getattr(self.dims, a) > 1]
+        return self.device_mesh[present[0]] if len(present) == 1 else self.device_mesh[name]
+
+    def group(self, name: str):
+        """The process group of axis ``name``, or None when its degree is 1."""
+        sub = self.submesh(name)
+        return None if sub is None else sub.get_group()
+
+    def local_rank(self, name: str) -> int:
+        """This rank's index along axis ``name`` (0 when its degree is 1)."""
+        sub = self.submesh(name)
+        return 0 if sub is None else sub.get_local_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (which slice of the batch it reads)."""
+        return self.local_rank("dp")

@@ -13,10 +13,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from densetrain.optim.interface import StandardOptimizer, TrainingOptimizer
 from densetrain.parallel.checkpointing import apply_activation_checkpointing
 from densetrain.parallel.compile import apply_compile
 from densetrain.parallel.config import ParallelConfig
-from densetrain.parallel.mesh import ParallelDims
+from densetrain.parallel.mesh import ParallelDims, ParallelMesh
 
 
 def data_parallel_kind(dims: ParallelDims, cfg: ParallelConfig) -> str:
@@ -41,24 +42,24 @@ def data_parallel_kind(dims: ParallelDims, cfg: ParallelConfig) -> str:
 
 
 def parallelize(
-    model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelConfig, *, compile: bool = False
+    model: nn.Module, pmesh: ParallelMesh, cfg: ParallelConfig, *, compile: bool = False
 ) -> nn.Module:
     """Apply TP/SP → CP → AC → compile → FSDP/DDP to ``model`` (a Transformer or pipeline stage).
 
-    Returns the model to train (the same module, or its DDP wrapper). On one process only
-    activation checkpointing and compile apply. Weights are initialised afterwards with
-    `init_weights`.
+    Works in place and returns ``model``. On one process only activation checkpointing and
+    compile apply. Weights are initialised afterwards with `init_weights`.
     """
+    dims = pmesh.dims
     if dims.tp > 1:
         from densetrain.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(
-            model, dims.submesh(mesh, "tp"), sequence_parallel=cfg.sequence_parallel
+            model, pmesh.submesh("tp"), sequence_parallel=cfg.sequence_parallel
         )
     if dims.cp > 1:
         from densetrain.parallel.context import apply_context_parallel
 
-        apply_context_parallel(model, dims.submesh(mesh, "cp"))
+        apply_context_parallel(model, pmesh.submesh("cp"))
     apply_activation_checkpointing(model, cfg.activation_checkpointing, every=cfg.ac_every)
     if compile:
         apply_compile(model)
@@ -69,34 +70,34 @@ def parallelize(
         shard_axis = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
         if kind == "hsdp":
             names = ["dp_replicate", shard_axis] if dims.fsdp_size > 1 else ["dp_replicate"]
-            dp_mesh = mesh[tuple(names)]
+            dp_mesh = pmesh.device_mesh[tuple(names)]
         else:
-            dp_mesh = dims.submesh(mesh, shard_axis)
+            dp_mesh = pmesh.submesh(shard_axis)
         apply_fsdp(model, dp_mesh, cpu_offload=cfg.cpu_offload)
     elif kind == "ddp":
         from densetrain.parallel.ddp import apply_ddp
 
-        model = apply_ddp(model, dims.submesh(mesh, "dp_replicate"))
+        apply_ddp(model, pmesh.submesh("dp_replicate"))
     return model
 
 
 def build_optimizer(
-    model: nn.Module,
-    dims: ParallelDims,
-    mesh,
+    module: nn.Module,
+    pmesh: ParallelMesh,
     cfg: ParallelConfig,
     optimizer_factory: Callable[[list], torch.optim.Optimizer],
     param_groups: list | None = None,
-):
-    """The optimizer for a parallelized ``model``: ``optimizer_factory(param_groups)``, or for
-    ZeRO-1/2 a ``ZeroOptimizer`` that runs it on this rank's chunks."""
-    groups = param_groups if param_groups is not None else list(model.parameters())
-    if dims.fsdp_size > 1 and data_parallel_kind(dims, cfg) == "zero12":
+) -> TrainingOptimizer:
+    """The `TrainingOptimizer` of a parallelized ``module``: ``optimizer_factory(param_groups)``
+    over its parameters, or for ZeRO-1/2 a ``ZeroOptimizer`` that runs it on this rank's chunks.
+    Pipeline stages sum their gradient norms over the pp group."""
+    groups = param_groups if param_groups is not None else list(module.parameters())
+    if data_parallel_kind(pmesh.dims, cfg) == "zero12":
         from densetrain.parallel.zero import ZeroOptimizer
 
-        group = dims.submesh(mesh, "dp_shard").get_group()
-        return ZeroOptimizer(groups, optimizer_factory, group=group, stage=cfg.zero_stage)
-    return optimizer_factory(groups)
+        return ZeroOptimizer(groups, optimizer_factory, group=pmesh.group("dp_shard"),
+                             stage=cfg.zero_stage)
+    return StandardOptimizer(module, optimizer_factory(groups), norm_group=pmesh.group("pp"))
 
 
 @torch.no_grad()
@@ -108,9 +109,8 @@ def init_weights(model: nn.Module, seed: int) -> None:
     """
     from torch.distributed.tensor.experimental import implicit_replication
 
-    inner = getattr(model, "module", model)
     with implicit_replication():
-        inner.init_weights(seed=seed, write=write_full_value)
+        model.init_weights(seed=seed, write=write_full_value)
 
 
 def write_full_value(param: torch.Tensor, value: torch.Tensor) -> None:

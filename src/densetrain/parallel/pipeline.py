@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from densetrain.parallel.config import ParallelConfig
-from densetrain.parallel.mesh import ParallelDims
+from densetrain.parallel.mesh import ParallelMesh
 
 _SINGLE_STAGE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 _MULTI_STAGE = {
@@ -81,6 +81,7 @@ class Pipeline:
     modules: list[nn.Module]
     stage_ids: list[int]
     num_stages: int
+    num_microbatches: int
 
     @property
     def has_first_stage(self) -> bool:
@@ -100,11 +101,44 @@ class Pipeline:
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         return torch.stack(losses).mean() if self.has_last_stage else None
 
+    def eval(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Forward only (the schedule's ``eval``); the mean loss on the last-stage rank."""
+        losses: list[torch.Tensor] = []
+        args = (tokens,) if self.has_first_stage else ()
+        target = targets if self.has_last_stage else None
+        self.schedule.eval(*args, target=target, losses=losses)
+        return torch.stack(losses).mean().detach() if self.has_last_stage else None
+
+
+class PipelinedModel(nn.Module):
+    """This rank's pipeline stage modules as one module named like the full `Transformer`.
+
+    Not callable: the pipeline schedule runs the stages. The children are the stages' own
+    modules (shared, not copied), so optimizers, ``state_dict`` and DCP see the real (possibly
+    FSDP-sharded) parameters under the full model's names (the split keeps layer keys
+    ``layers.<i>`` and the embedding/head names), so checkpoints of a pipelined run hold the same
+    names as any other layout and DCP reshards them.
+    """
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict()
+        for stage in pipeline.modules:
+            for name, child in stage.named_children():
+                if name == "layers":
+                    for key, layer in child.items():
+                        self.layers[key] = layer
+                elif child is not None and getattr(self, name, None) is None:
+                    setattr(self, name, child)
+
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        """Not supported: a pipelined model runs through its pipeline schedule."""
+        raise RuntimeError("a pipelined model runs through its pipeline schedule")
+
 
 def build_pipeline(
     model_factory: Callable[[], nn.Module],
-    dims: ParallelDims,
-    mesh,
+    pmesh: ParallelMesh,
     cfg: ParallelConfig,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     *,
@@ -116,7 +150,8 @@ def build_pipeline(
 
     from densetrain.parallel.parallelize import init_weights, parallelize
 
-    pp_mesh = dims.submesh(mesh, "pp")
+    dims = pmesh.dims
+    pp_mesh = pmesh.submesh("pp")
     virtual = cfg.pp_virtual_stages
     num_stages = dims.pp * virtual
     probe = model_factory()
@@ -126,7 +161,7 @@ def build_pipeline(
     modules, stages = [], []
     for stage_id in stage_ids:
         module = split_stage(model_factory(), stage_id, sizes)
-        module = parallelize(module, dims, mesh, cfg)
+        module = parallelize(module, pmesh, cfg)
         init_weights(module, init_seed)
         modules.append(module)
         stages.append(
@@ -141,7 +176,8 @@ def build_pipeline(
     else:
         cls = getattr(pipelining, _MULTI_STAGE[cfg.pp_schedule])
         schedule = cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
-    return Pipeline(schedule=schedule, modules=modules, stage_ids=stage_ids, num_stages=num_stages)
+    return Pipeline(schedule=schedule, modules=modules, stage_ids=stage_ids, num_stages=num_stages,
+                    num_microbatches=microbatches)
 
 
 def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:

@@ -6,9 +6,9 @@ Per block: ``wq/wk/wv`` and ``w_up/w_gate`` are split by output features (column
 and one backward. With sequence parallel the norms (and dropout) run on a 1/tp slice of the
 sequence and that all-reduce becomes a reduce-scatter plus an all-gather. The token embedding is
 vocab-parallel (row-wise over the padded vocab, which need not divide by tp: DTensor shards it
-unevenly) and the output projection is column-wise over the vocab. ``compute_loss`` takes a
-vocab-parallel cross-entropy of each rank's logit slice (``parallel/loss.py``); ``forward``
-returns the gathered logits.
+unevenly) and the output projection is column-wise over the vocab. The model's ``loss_head`` is
+set to a vocab-parallel cross-entropy of each rank's logit slice (``parallel/loss.py``);
+``forward`` without targets returns the gathered logits.
 
 GQA: kv heads are split across tp ranks when tp divides them. With fewer kv heads than tp ranks
 (kv dividing tp; MQA is kv = 1), the kv projections are replicated on every rank and each rank
@@ -19,8 +19,7 @@ ones, so the model code reshapes with the local sizes.
 
 from __future__ import annotations
 
-import types
-
+import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -157,32 +156,29 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool)
         attn.num_heads //= tp
         attn.num_kv_heads = max(attn.num_kv_heads // tp, 1)
     _add_stage_io_hooks(model, tp_mesh, sequence_parallel)
-    if model.output is not None and hasattr(model, "compute_loss"):
-        model.compute_loss = types.MethodType(_compute_loss_from_logits, model)
+    if model.output is not None:
+        model.loss_head = vocab_parallel_loss_head
     return model
 
 
-def _compute_loss_from_logits(
-    self, tokens_BS, targets_BS, *, positions_BS=None, document_ids_BS=None, chunk_size=None
+def vocab_parallel_loss_head(
+    model: nn.Module, hidden: DTensor, targets_BS: torch.Tensor, *, chunk_size: int | None = None
 ):
-    """``Transformer.compute_loss`` under tensor parallel: vocab-parallel cross-entropy over the
+    """The model's ``loss_head`` under tensor parallel: vocab-parallel cross-entropy over the
     local logit slice of each tp rank (``chunk_size`` is not used: logits are only 1/tp wide)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from densetrain.parallel.loss import vocab_parallel_cross_entropy
 
-    hidden = self.forward_hidden(
-        tokens_BS, positions_BS=positions_BS, document_ids_BS=document_ids_BS
-    )
-    weight = self.output.weight
+    weight = model.output.weight
     mesh = weight.device_mesh
     # Each rank's logits use only its rows of the head: the hidden gradient is a partial sum.
     hidden_BSE = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
     weight_LE = weight.to_local()
-    bias_L = self.output.bias.to_local() if self.output.bias is not None else None
+    bias_L = model.output.bias.to_local() if model.output.bias is not None else None
     logits_BSL = F.linear(hidden_BSE, weight_LE, bias_L)
     _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
-    cfg = self.config
+    cfg = model.config
     return vocab_parallel_cross_entropy(
         logits_BSL.reshape(-1, logits_BSL.shape[-1]),
         targets_BS.reshape(-1),

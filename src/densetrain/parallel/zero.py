@@ -18,15 +18,21 @@ storage) and ``ZeroRedundancyOptimizer`` partitions whole parameters without sha
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from densetrain.optim.interface import PER_RANK_KEY, TrainingOptimizer, per_rank_layout
 
-class ZeroOptimizer:
-    """An optimizer over the rank's chunks of ``params``; ``step()`` keeps the full parameters in
-    sync on every rank of ``group``. Gradients are averaged over the group."""
+
+class ZeroOptimizer(TrainingOptimizer):
+    """A `TrainingOptimizer` over the rank's chunks of ``params``; ``step()`` keeps the full
+    parameters in sync on every rank of ``group``. Gradients are averaged over the group.
+
+    Its checkpoint state is this rank's chunks under a per-rank key, so it resumes on the same
+    number of ranks only (``checkpoint_layout``)."""
 
     def __init__(
         self,
@@ -56,7 +62,8 @@ class ZeroOptimizer:
                 self._chunk[p] = chunk
                 chunks.append(chunk)
             shard_groups.append({**pg, "params": chunks})
-        self.optimizer = optimizer_factory(shard_groups)
+        self.torch_optimizer = optimizer_factory(shard_groups)
+        self.checkpoint_layout = per_rank_layout(self.world)
         self._hooks = []
         if stage == 2:
             for p in self._full:
@@ -87,16 +94,6 @@ class ZeroOptimizer:
         p.grad = None
 
     # ------------------------------------------------------------------ optimizer API
-    @property
-    def param_groups(self) -> list[dict]:
-        """The wrapped optimizer's groups (hold the chunks; set ``lr`` here)."""
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        """The wrapped optimizer's per-chunk state."""
-        return self.optimizer.state
-
     def grad_shards(self) -> list[torch.Tensor]:
         """Gradient chunks this rank holds (ZeRO-2 between backward and step)."""
         return [c.grad for c in self._chunk.values() if c.grad is not None]
@@ -140,7 +137,7 @@ class ZeroOptimizer:
     def step(self) -> None:
         """Reduce-scatter pending gradients (ZeRO-1), step the chunks, all-gather parameters."""
         self.reduce_gradients()
-        self.optimizer.step()
+        self.torch_optimizer.step()
         for p in self._full:
             chunk = self._chunk[p]
             gathered = torch.empty(chunk.numel() * self.world, dtype=p.dtype, device=p.device)
@@ -148,22 +145,42 @@ class ZeroOptimizer:
             p.copy_(gathered[: p.numel()].view_as(p))
 
     @torch.no_grad()
-    def reload_params(self) -> None:
+    def after_weights_loaded(self) -> None:
         """Copy this rank's chunks from the full parameters (after the model's weights were
         loaded, e.g. from a checkpoint), so the next ``step()`` starts from them."""
         for p in self._full:
             self._chunk[p].copy_(self._owned_slice(p.detach()))
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self) -> None:
         """Drop the gradients of the full parameters and of the chunks."""
         for p in self._full:
             p.grad = None
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.torch_optimizer.zero_grad(set_to_none=True)
 
-    def state_dict(self) -> dict:
-        """The wrapped optimizer's state dict (this rank's chunks)."""
-        return self.optimizer.state_dict()
+    def state_dict(self) -> dict[str, Any]:
+        """``{"rank<r>": the wrapped optimizer's state dict}`` (this rank's chunks).
 
-    def load_state_dict(self, state: dict) -> None:
-        """Load a state dict saved by ``state_dict`` on the same layout."""
-        self.optimizer.load_state_dict(state)
+        A fresh optimizer first gets its per-chunk state (moments, step) from one update on zero
+        gradients with the learning rate set to 0, so that a checkpoint load can fill it in
+        place (AdamW's decoupled decay is scaled by lr, so 0 too)."""
+        if not self.torch_optimizer.state:
+            _create_state(self.torch_optimizer)
+        return {f"{PER_RANK_KEY}{self.rank}": self.torch_optimizer.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by `state_dict` on the same layout."""
+        self.torch_optimizer.load_state_dict(state_dict[f"{PER_RANK_KEY}{self.rank}"])
+
+
+@torch.no_grad()
+def _create_state(optimizer: torch.optim.Optimizer) -> None:
+    saved_lrs = []
+    for group in optimizer.param_groups:
+        saved_lrs.append(group["lr"])
+        group["lr"] = 0.0
+        for param in group["params"]:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, saved_lrs, strict=True):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)

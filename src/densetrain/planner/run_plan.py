@@ -34,6 +34,7 @@ class RunPlan:
     num_params: int
     layout_plan: PlanResult
     law: str
+    inference_tokens: float = 0.0
 
     @property
     def training_days(self) -> float:
@@ -41,20 +42,18 @@ class RunPlan:
         return self.num_tokens / self.layout_plan.row(0)["tokens_per_s"] / 86400.0
 
 
-def compute_optimal_allocation(flops: float) -> tuple[float, float, str]:
-    """(N_opt, D_opt, description of the law) for budget ``flops``."""
-    from densetrain.scaling import optimal
+def compute_optimal_allocation(flops: float, *, inference_tokens: float = 0.0
+                               ) -> tuple[float, float, str]:
+    """(N_opt, D_opt, the law and constants used) for budget ``flops``.
 
-    if hasattr(optimal, "compute_optimal"):
-        found = optimal.compute_optimal(flops)
-        if hasattr(found, "num_params"):  # an Allocation
-            return found.num_params, found.num_tokens, "scaling.optimal.compute_optimal"
-        n_opt, d_opt = found
-        return float(n_opt), float(d_opt), "scaling.optimal.compute_optimal"
-    from densetrain.scaling.laws import CHINCHILLA_PRINTED
+    The same function as ``densetrain scaling optimal`` (``scaling.optimal.compute_optimal``,
+    Chinchilla's unrounded approach 3 constants); with ``inference_tokens`` the budget is
+    training plus inference (Sardana et al. 2024).
+    """
+    from densetrain.scaling.optimal import compute_optimal
 
-    alloc = optimal.chinchilla_optimal(CHINCHILLA_PRINTED, flops)
-    return alloc.num_params, alloc.num_tokens, "Chinchilla approach 3 (Hoffmann et al. 2022 eq. 4)"
+    choice = compute_optimal(flops, inference_tokens=inference_tokens)
+    return choice.num_params, choice.num_tokens, f"{choice.law.describe()}; {choice.method}"
 
 
 def _shape(base: ModelConfig, dim: int, num_layers: int) -> ModelConfig:
@@ -91,15 +90,19 @@ def shape_for_params(num_params: float, base: ModelConfig) -> ModelConfig:
 
 def plan_run(flops: float, *, base: ModelConfig, seq_len: int, global_batch: int, devices: int,
              cluster: ClusterSpec, settings: PlanSettings | None = None,
-             space: SearchSpace | None = None) -> RunPlan:
-    """Chain compute-optimal N and D to the layout search (``NoFeasibleLayoutError`` if none)."""
-    n_opt, d_opt, law = compute_optimal_allocation(flops)
+             space: SearchSpace | None = None, inference_tokens: float = 0.0) -> RunPlan:
+    """Chain compute-optimal N and D to the layout search (``NoFeasibleLayoutError`` if none).
+
+    With ``inference_tokens``, ``flops`` is the lifetime budget (training + 2·N per inference
+    token) and the plan is the over-trained run of ``compute_optimal_allocation``.
+    """
+    n_opt, d_opt, law = compute_optimal_allocation(flops, inference_tokens=inference_tokens)
     cfg = shape_for_params(n_opt, base).replace(max_seq_len=max(seq_len, base.max_seq_len))
     result = search(cfg, seq_len=seq_len, global_batch=global_batch, devices=devices,
                     cluster=cluster, settings=settings, space=space or SearchSpace())
     return RunPlan(flops=flops, target_params=n_opt, num_tokens=d_opt, cfg=cfg,
                    num_params=sizing_module().param_counts(cfg).total, layout_plan=result,
-                   law=law)
+                   law=law, inference_tokens=inference_tokens)
 
 
 def format_run_plan(plan: RunPlan) -> str:
@@ -107,9 +110,10 @@ def format_run_plan(plan: RunPlan) -> str:
     cfg, row = plan.cfg, plan.layout_plan.row(0)
     layout = plan.layout_plan.layout(0)
     steps = plan.num_tokens / (plan.layout_plan.global_batch * plan.layout_plan.seq_len)
-    return "\n".join([
+    lines = [
+        f"Law: {plan.law}",
         f"Budget {plan.flops:.3e} FLOPs -> N_opt {plan.target_params:.3e} params, "
-        f"D_opt {plan.num_tokens:.3e} tokens ({plan.law})",
+        f"D_opt {plan.num_tokens:.3e} tokens",
         f"Model: dim {cfg.dim}, {cfg.num_layers} layers, {cfg.num_heads} heads "
         f"({cfg.num_kv_heads} kv), ffn {cfg.ffn_dim}, vocab {cfg.vocab_size}: "
         f"{plan.num_params:,} parameters",
@@ -119,4 +123,17 @@ def format_run_plan(plan: RunPlan) -> str:
         f"{plan.layout_plan.cluster.name}",
         f"Predicted: {row['tokens_per_s']:,.0f} tokens/s, MFU {row['mfu']:.1%}, "
         f"{plan.training_days:.1f} days",
-    ])
+    ]
+    if plan.inference_tokens > 0:
+        lines.append(_lifetime_line(plan))
+    return "\n".join(lines)
+
+
+def _lifetime_line(plan: RunPlan) -> str:
+    """Training and inference FLOPs of the shaped model by PaLM's count (inference is the
+    forward third of it), against the budget."""
+    per_token = sizing_module().flops_per_token_palm(plan.cfg, plan.layout_plan.seq_len)
+    train, infer = per_token * plan.num_tokens, per_token / 3 * plan.inference_tokens
+    return (f"Lifetime ({plan.inference_tokens:.3e} inference tokens): training "
+            f"{train:.3e} + inference {infer:.3e} = {train + infer:.3e} FLOPs of this shape "
+            f"(PaLM 6N + 12LHQT count; budget {plan.flops:.3e} by 6ND + 2NT)")

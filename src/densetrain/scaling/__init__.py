@@ -1,41 +1,47 @@
-"""densetrain.scaling: Kaplan and Chinchilla scaling-law fits, compute-optimal allocation and
-IsoFLOP sweeps (see docs/scaling.md)."""
+"""densetrain.scaling: Kaplan and Chinchilla scaling-law fits, compute-optimal allocation (with
+and without an inference budget) and IsoFLOP sweeps (see docs/scaling.md).
 
-from densetrain.scaling.analysis import ScalingAnalysis, analyse, format_report
-from densetrain.scaling.fit_common import Estimate, FitError
-from densetrain.scaling.fit_isoflop import LossCurve, fit_envelope, fit_isoflop
-from densetrain.scaling.fit_kaplan import fit_kaplan_nd, fit_kaplan_single
-from densetrain.scaling.fit_parametric import fit_parametric
-from densetrain.scaling.laws import CHINCHILLA_PRINTED, CHINCHILLA_UNROUNDED, ChinchillaLaw
-from densetrain.scaling.optimal import (
-    Allocation,
-    PowerLaw,
-    chinchilla_optimal,
-    kaplan_allocation_exponents,
-    optimal_from_power_laws,
-)
-from densetrain.scaling.results import ResultsTable, load_results_csv
+The names below are loaded on first use (PEP 562), so that importing one light submodule
+(``densetrain.scaling.optimal``, used by ``densetrain plan``) does not import SciPy's fitters.
+"""
 
-__all__ = [
-    "CHINCHILLA_PRINTED",
-    "CHINCHILLA_UNROUNDED",
-    "Allocation",
-    "ChinchillaLaw",
-    "Estimate",
-    "FitError",
-    "LossCurve",
-    "PowerLaw",
-    "ResultsTable",
-    "ScalingAnalysis",
-    "analyse",
-    "chinchilla_optimal",
-    "fit_envelope",
-    "fit_isoflop",
-    "fit_kaplan_nd",
-    "fit_kaplan_single",
-    "fit_parametric",
-    "format_report",
-    "kaplan_allocation_exponents",
-    "load_results_csv",
-    "optimal_from_power_laws",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "ScalingAnalysis": "analysis",
+    "analyse": "analysis",
+    "format_report": "analysis",
+    "Estimate": "fit_common",
+    "FitError": "fit_common",
+    "LossCurve": "fit_isoflop",
+    "fit_envelope": "fit_isoflop",
+    "fit_isoflop": "fit_isoflop",
+    "fit_kaplan_nd": "fit_kaplan",
+    "fit_kaplan_single": "fit_kaplan",
+    "fit_parametric": "fit_parametric",
+    "CHINCHILLA_PRINTED": "laws",
+    "CHINCHILLA_UNROUNDED": "laws",
+    "ChinchillaLaw": "laws",
+    "Allocation": "optimal",
+    "PowerLaw": "optimal",
+    "chinchilla_optimal": "optimal",
+    "kaplan_allocation_exponents": "optimal",
+    "optimal_from_power_laws": "optimal",
+    "compute_optimal": "optimal",
+    "ResultsTable": "results",
+    "load_results_csv": "results",
+    "InferenceAwareAllocation": "inference",
+    "min_cost_for_loss": "inference",
+    "min_loss_for_budget": "inference",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'densetrain.scaling' has no attribute {name!r}")
+    module = importlib.import_module(f"densetrain.scaling.{_EXPORTS[name]}")
+    return getattr(module, name)

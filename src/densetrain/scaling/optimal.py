@@ -103,3 +103,75 @@ def kaplan_allocation_exponents(
 def params_exponent_from_data_exponent(data_exponent: float) -> float:
     """Under C = 6·N·D, N ∝ C^a and D ∝ C^b imply a = 1 - b (e.g. Kaplan Table 6: 1 - 0.27)."""
     return 1.0 - data_exponent
+
+
+@dataclass(frozen=True, kw_only=True)
+class NamedLaw:
+    """A parametric law and where its constants come from (printed beside every answer)."""
+
+    law: ChinchillaLaw
+    source: str
+
+    def describe(self) -> str:
+        """``source: E=…, A=…, B=…, alpha=…, beta=…`` with the constants actually used."""
+        constants = ", ".join(f"{k}={v:.6g}" for k, v in self.law.as_dict().items())
+        return f"{self.source}: {constants}"
+
+
+def published_law() -> NamedLaw:
+    """Chinchilla's approach 3 law with the unrounded constants (``laws.CHINCHILLA_UNROUNDED``),
+    the default of ``densetrain scaling optimal`` and ``densetrain plan --flops``."""
+    from densetrain.scaling.laws import CHINCHILLA_UNROUNDED
+
+    return NamedLaw(law=CHINCHILLA_UNROUNDED,
+                    source="Chinchilla approach 3 (Hoffmann et al. 2022), unrounded fit")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimalChoice:
+    """The answer of ``compute_optimal``: (N, D) for a budget, its FLOPs split and the law."""
+
+    flops: float
+    """Total budget: training FLOPs, plus inference FLOPs when ``inference_tokens`` > 0."""
+    num_params: float
+    num_tokens: float
+    inference_tokens: float
+    training_flops: float
+    inference_flops: float
+    loss: float
+    law: NamedLaw
+    method: str
+
+    @property
+    def tokens_per_param(self) -> float:
+        """D / N."""
+        return self.num_tokens / self.num_params
+
+
+def compute_optimal(flops: float, *, law: NamedLaw | None = None,
+                    inference_tokens: float = 0.0) -> OptimalChoice:
+    """The one compute-optimal allocation of ``densetrain scaling optimal`` and ``plan --flops``.
+
+    Without inference tokens: Chinchilla's closed form (eq. 4) under C = 6·N·D. With them: the
+    lowest loss at total budget C = 6·N·D + 2·N·T (``inference.min_loss_for_budget``).
+    ``law`` defaults to ``published_law()``.
+    """
+    from densetrain.scaling.inference import check_law, check_non_negative, min_loss_for_budget
+
+    named = law or published_law()
+    check_law(named.law)
+    tokens = check_non_negative("inference_tokens", inference_tokens)
+    _check_flops(flops)
+    if tokens == 0:
+        alloc = chinchilla_optimal(named.law, flops)
+        n, d = alloc.num_params, alloc.num_tokens
+        method = "closed form, Hoffmann et al. 2022 eq. 4 (C = 6ND)"
+        train, infer = 6.0 * n * d, 0.0
+    else:
+        found = min_loss_for_budget(named.law, flops, tokens)
+        n, d = found.num_params, found.num_tokens
+        train, infer = found.training_flops, found.inference_flops
+        method = "inference-aware, Sardana et al. 2024 (C = 6ND + 2NT), brentq"
+    return OptimalChoice(flops=float(flops), num_params=n, num_tokens=d,
+                         inference_tokens=tokens, training_flops=train, inference_flops=infer,
+                         loss=float(named.law.loss(n, d)), law=named, method=method)

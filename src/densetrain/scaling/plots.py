@@ -38,6 +38,11 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def save_figure(fig, path: Path) -> Path:
+    """Write ``fig`` as a PNG to ``path`` through a temporary name, then close it."""
+    return _save(fig, Path(path))
+
+
 def plot_isoflop(fit: FrontierFit, path: str | os.PathLike, *, param_label: str = "N",
                  table: ResultsTable | None = None) -> Path:
     """Loss against N for each budget: runs, fitted parabola and its minimum; with ``table``,

@@ -14,16 +14,19 @@ from densetrain.train.metrics import (
     mfu,
     read_metrics,
 )
+from densetrain.train.state import Progress, RunParts, StepReport
 from densetrain.train.step import NonFiniteLossError, StepOutput, split_micro_batches, train_step
-from densetrain.train.trainer import RunState, train
+from densetrain.train.trainer import train
 
 __all__ = [
     "ACCELERATOR_PEAK_TFLOPS",
     "Callback",
     "MetricsWriter",
     "NonFiniteLossError",
-    "RunState",
+    "Progress",
+    "RunParts",
     "StepOutput",
+    "StepReport",
     "accelerator_peak_flops",
     "device_peak_flops",
     "measure_cpu_peak_flops",

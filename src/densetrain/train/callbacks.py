@@ -1,52 +1,49 @@
-"""Callbacks of the trainer: metrics logging and progress, evaluation and sample, checkpoints, plot.
+"""Callbacks of the trainer: metrics logging and progress, checkpoints, the plot, the sample.
 
-Each callback sees the shared `RunState` (see trainer.py) and may act at the start of training,
-after every step and at the end. The step function itself never logs, evaluates or saves.
+Each callback is built with its own settings and sees the run's built parts (`RunParts`), its
+checkpointed progress and, after every step, that step's `StepReport` (evaluation included). No
+callback writes into shared state, so their order does not matter; each may contribute entries
+to the run's summary (`summary()`) and releases what it holds in `close()` (also after an
+exception).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import sys
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import torch
-import torch.distributed as dist
+from typing import Any
 
 from densetrain.train.device import peak_memory_bytes, peak_rss_bytes
+from densetrain.train.evaluation import mean_over_ranks, sample_text
 from densetrain.train.metrics import MetricsWriter, mfu, read_metrics
-from densetrain.train.step import StepOutput
-
-if TYPE_CHECKING:
-    from densetrain.train.trainer import RunState
+from densetrain.train.state import Progress, RunParts, StepReport
 
 
 class Callback:
     """Hooks called by the trainer; every hook runs on every rank (collectives are allowed)."""
 
-    def on_train_start(self, run: RunState) -> None:
+    def on_train_start(self, parts: RunParts, progress: Progress) -> None:
         """Called once, after resume, before the first step of this process."""
 
-    def on_step_end(self, run: RunState, output: StepOutput) -> None:
-        """Called after each optimizer step (``run.counters.step`` is the step just taken)."""
+    def on_step_end(self, parts: RunParts, progress: Progress, report: StepReport) -> None:
+        """Called after each optimizer step (``progress.step`` is the step just taken)."""
 
-    def on_train_end(self, run: RunState) -> None:
+    def on_train_end(self, parts: RunParts, progress: Progress) -> None:
         """Called once after the last step (not after an exception)."""
 
+    def summary(self) -> dict[str, Any]:
+        """Entries this callback adds to the run's summary."""
+        return {}
 
-def _mean_over_ranks(value: torch.Tensor) -> float:
-    value = value.detach().float().clone()
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        value /= dist.get_world_size()
-    return float(value)
+    def close(self) -> None:
+        """Release files, bars and threads (called after the run, also after an exception)."""
 
 
 class MetricsLogger(Callback):
-    """Every ``log_interval`` steps (and at evaluations): a metrics line, TensorBoard, progress."""
+    """Every ``log_interval`` steps (and at evaluations and the last step): a metrics line,
+    TensorBoard, the progress bar. The first record also holds the model-state bytes of each
+    rank (parameters, gradients, optimizer states: ``parallel.memory.rank_memory``)."""
 
     def __init__(self, *, log_interval: int, tensorboard: bool, progress: bool) -> None:
         self.log_interval = log_interval
@@ -57,34 +54,30 @@ class MetricsLogger(Callback):
         self._last_tokens = 0
         self._last_seconds = 0.0
         self._skipped = 0
+        self._first = True
+        self._final_loss = float("nan")
 
-    def on_train_start(self, run: RunState) -> None:
+    def on_train_start(self, parts: RunParts, progress: Progress) -> None:
         """Open the metrics file (dropping lines after the resumed step) and the progress bar."""
-        if run.is_main:
-            self.writer = MetricsWriter(
-                run.run_dir, tensorboard=self.tensorboard, resume_step=run.counters.step
-            )
-        self._last_tokens = run.counters.tokens
-        self._last_seconds = run.train_seconds
-        if run.is_main and self.progress:
+        if parts.is_main:
+            self.writer = MetricsWriter(parts.run_dir, tensorboard=self.tensorboard,
+                                        resume_step=progress.step)
+        if parts.is_main and self.progress:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(
-                total=run.total_steps, initial=run.counters.step, unit="step", dynamic_ncols=True,
-                file=sys.stderr, desc="train",
-            )
+            self.bar = tqdm(total=parts.training.steps, initial=progress.step, unit="step",
+                            dynamic_ncols=True, file=sys.stderr, desc="train")
 
-    def on_step_end(self, run: RunState, output: StepOutput) -> None:
+    def on_step_end(self, parts: RunParts, progress: Progress, report: StepReport) -> None:
         """Write a record at log steps, at evaluation steps and at the last step."""
-        self._skipped += int(output.skipped)
-        step = run.counters.step
+        self._skipped += int(report.skipped)
         if self.bar is not None:
             self.bar.update(1)
-        due = step % self.log_interval == 0 or step == run.total_steps or run.eval_record
+        due = report.step % self.log_interval == 0 or report.is_last or report.eval
         if not due:
             return
-        record = self._record(run, output)
-        run.last_train_loss = record["loss"]
+        record = self._record(parts, report)
+        self._final_loss = record["loss"]
         if self.writer is not None:
             self.writer.write(record)
         if self.bar is not None:
@@ -94,36 +87,41 @@ class MetricsLogger(Callback):
                 refresh=False,
             )
 
-    def _record(self, run: RunState, output: StepOutput) -> dict[str, Any]:
-        seconds = max(run.train_seconds - self._last_seconds, 1e-9)
-        tokens_per_s = (run.counters.tokens - self._last_tokens) / seconds
-        self._last_tokens, self._last_seconds = run.counters.tokens, run.train_seconds
+    def _record(self, parts: RunParts, report: StepReport) -> dict[str, Any]:
+        seconds = max(report.process_train_seconds - self._last_seconds, 1e-9)
+        tokens_per_s = (report.process_tokens - self._last_tokens) / seconds
+        self._last_tokens, self._last_seconds = report.process_tokens, report.process_train_seconds
         record: dict[str, Any] = {
-            "step": run.counters.step,
-            "loss": _mean_over_ranks(output.loss),
-            "lr": float(run.optimizer.param_groups[0]["lr"]),
-            "tokens": run.counters.tokens,
+            "step": report.step,
+            "loss": mean_over_ranks(report.loss),
+            "lr": report.lr,
+            "tokens": report.tokens,
             "tokens_per_s": tokens_per_s,
-            "mfu": mfu(tokens_per_s, run.flops_per_token, run.peak_flops, run.world_size),
-            "grad_norm": float(output.grad_norm),
+            "mfu": mfu(tokens_per_s, parts.sizes.flops_per_token, parts.peak_flops,
+                       parts.world_size),
+            "grad_norm": float(report.grad_norm),
             "skipped_steps": self._skipped,
-            "elapsed_s": time.perf_counter() - run.start_time,
+            "elapsed_s": report.process_train_seconds,
         }
-        memory = peak_memory_bytes(run.device)
+        memory = peak_memory_bytes(parts.device)
         record["peak_mem_gib" if memory is not None else "peak_rss_gib"] = (
             memory if memory is not None else peak_rss_bytes()
         ) / 2**30
-        if run.eval_record:
-            record.update(run.eval_record)
-            run.eval_record = {}
+        if self._first:
+            from densetrain.parallel.memory import rank_memory
+
+            state = rank_memory(parts.model.module.parameters(), parts.optimizer)
+            record["model_state_gib"] = state.total_bytes / 2**30
+            self._first = False
+        record.update(report.eval)
         return record
 
-    def on_train_end(self, run: RunState) -> None:
-        """Close the bar and the files."""
-        self.close()
+    def summary(self) -> dict[str, Any]:
+        """The last logged training loss."""
+        return {"final_loss": self._final_loss}
 
     def close(self) -> None:
-        """Release files and the bar (also after an exception)."""
+        """Release files and the bar."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
@@ -132,88 +130,23 @@ class MetricsLogger(Callback):
             self.writer = None
 
 
-class Evaluator(Callback):
-    """Validation loss and perplexity every ``interval`` steps and after the last step."""
-
-    def __init__(self, *, interval: int, num_batches: int) -> None:
-        self.interval = interval
-        self.num_batches = num_batches
-        self._noted = False
-
-    def on_step_end(self, run: RunState, output: StepOutput) -> None:
-        """Evaluate on the cadence (and at the last step)."""
-        step = run.counters.step
-        if self.interval > 0 and (step % self.interval == 0 or step == run.total_steps):
-            self.evaluate(run)
-
-    def on_train_end(self, run: RunState) -> None:
-        """Evaluate when no step of this process did (a resumed, already finished run)."""
-        if self.interval > 0 and math.isnan(run.last_val_loss):
-            self.evaluate(run)
-            run.eval_record = {}
-
-    @torch.no_grad()
-    def evaluate(self, run: RunState) -> None:
-        """Mean validation loss over the fixed validation batches into ``run.eval_record``."""
-        if run.data.val is None:
-            return
-        if run.pp_group is not None:
-            if run.is_main and not self._noted:
-                print(f"evaluation skipped: the validation loss is not computed under "
-                      f"parallel.pp={run.job.parallel.pp}", file=sys.stderr)
-            self._noted = True
-            return
-        run.model.eval()
-        batch_size = run.job.training.micro_batch_size * run.dp_size
-        total = torch.zeros((), device=run.device)
-        for batch in run.data.val.iter_eval(self.num_batches, batch_size):
-            with run.autocast():
-                total += run.loss_fn(run.model, run.prepare_batch(batch)).ce_loss.float()
-        run.model.train()
-        val_loss = _mean_over_ranks(total / self.num_batches)
-        run.last_val_loss = val_loss
-        run.eval_record = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
-
-
 class Sampler(Callback):
-    """A short greedy continuation of a prompt from the final model, printed by rank 0."""
+    """A short greedy continuation of a prompt from the final model, printed by rank 0 (every
+    rank takes part: a sharded or pipelined model needs them all)."""
 
     def __init__(self, *, prompt: str, max_new_tokens: int) -> None:
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
+        self.sample = ""
 
-    def on_train_end(self, run: RunState) -> None:
-        """Generate (every rank takes part: a sharded model needs them all) and print."""
+    def on_train_end(self, parts: RunParts, progress: Progress) -> None:
+        """Generate and print."""
         if self.prompt and self.max_new_tokens > 0:
-            parallel = run.job.parallel
-            if parallel.cp > 1 or parallel.pp > 1 or parallel.tp > 1:
-                if run.is_main:
-                    print(f"sample skipped: generation runs with parallel.tp, cp and pp all 1 "
-                          f"(got tp={parallel.tp}, cp={parallel.cp}, pp={parallel.pp})",
-                          file=sys.stderr)
-                return
-            run.sample = sample_text(run, self.prompt, self.max_new_tokens)
-            if run.is_main:
-                print(f"sample (greedy) | {self.prompt!r} ->\n{self.prompt}{run.sample}\n",
-                      file=sys.stderr)
+            self.sample = sample_text(parts, self.prompt, self.max_new_tokens)
 
-
-@torch.no_grad()
-def sample_text(run: RunState, prompt: str, max_new_tokens: int) -> str:
-    """Greedy continuation of ``prompt`` by the run's model (KV-cached `generate`)."""
-    from densetrain.generate import generate
-
-    tokenizer = run.data.tokenizer
-    ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
-    tokens_1S = torch.tensor([ids], dtype=torch.long, device=run.device)
-    model = run.inner_model
-    model.eval()
-    try:
-        with run.autocast():
-            out_1T = generate(model, tokens_1S, max_new_tokens, eos_token_id=tokenizer.eos_id)
-    finally:
-        model.train()
-    return tokenizer.decode(out_1T[0, len(ids) :].tolist())
+    def summary(self) -> dict[str, Any]:
+        """The sample text."""
+        return {"sample": self.sample}
 
 
 class Checkpointer(Callback):
@@ -221,52 +154,53 @@ class Checkpointer(Callback):
 
     [checkpoint call site] Saving goes through `densetrain.checkpoint.AsyncCheckpointer`
     (background writes when ``async_save``; at most one in flight); the final save and the save
-    on a preemption signal are waited for; `close` (called by `train` also after an exception)
-    waits for a save still in flight.
+    on a preemption signal (`on_preempt`) are waited for; `close` (called by `train` also after
+    an exception) waits for a save still in flight.
     """
 
     def __init__(self, *, interval: int, keep_last: int, save_final: bool,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, timeout_s: float = 600.0) -> None:
         self.interval = interval
         self.keep_last = keep_last
         self.save_final = save_final
         self.async_save = async_save
+        self.timeout_s = timeout_s
         self.writer: Any = None
 
-    def on_train_start(self, run: RunState) -> None:
+    def on_train_start(self, parts: RunParts, progress: Progress) -> None:
         """Open the writer for the run's checkpoint directory."""
         from densetrain.checkpoint.async_save import AsyncCheckpointer
 
         self.writer = AsyncCheckpointer(
-            run.checkpoint_dir, config_toml=run.config_toml, keep_last=self.keep_last,
-            async_save=self.async_save, timeout_s=run.job.parallel.collective_timeout_s,
+            parts.checkpoint_dir, config_toml=parts.config_toml, keep_last=self.keep_last,
+            async_save=self.async_save, timeout_s=self.timeout_s,
         )
 
-    def save(self, run: RunState, *, wait: bool = False) -> None:
-        """Save the current step (and wait for it to be complete when ``wait``)."""
-        self.writer.save(run.counters.step, run.state_tree())
+    def _save(self, parts: RunParts, progress: Progress, *, wait: bool = False) -> None:
+        self.writer.save(progress.step, parts.state_tree(progress))
         if wait:
             self.writer.wait()
-        if self.writer.last_path is not None:
-            run.last_checkpoint = str(self.writer.last_path)
 
-    def on_step_end(self, run: RunState, output: StepOutput) -> None:
+    def on_step_end(self, parts: RunParts, progress: Progress, report: StepReport) -> None:
         """Save on the cadence."""
-        if run.counters.step % self.interval == 0:
-            self.save(run)
+        if progress.step % self.interval == 0:
+            self._save(parts, progress)
 
-    def on_train_end(self, run: RunState) -> None:
-        """Save the final state and wait until every save is complete."""
+    def on_train_end(self, parts: RunParts, progress: Progress) -> None:
+        """Save the final state (a step just saved is not saved again) and wait for it."""
         if self.save_final:
-            self.save(run, wait=True)
+            self._save(parts, progress, wait=True)
         else:
             self.writer.wait()
-        if self.writer.last_path is not None:
-            run.last_checkpoint = str(self.writer.last_path)
 
-    def on_preempt(self, run: RunState) -> None:
-        """A stop signal arrived: save this step and wait for it."""
-        self.save(run, wait=True)
+    def on_preempt(self, parts: RunParts, progress: Progress) -> None:
+        """A stop signal arrived: save this step and wait until it is complete."""
+        self._save(parts, progress, wait=True)
+
+    def summary(self) -> dict[str, Any]:
+        """The newest complete checkpoint written by this process."""
+        last = self.writer.last_path if self.writer is not None else None
+        return {"checkpoint": str(last) if last is not None else ""}
 
     def close(self) -> None:
         """Wait for a save still in flight (also after an exception)."""
@@ -278,10 +212,17 @@ class Checkpointer(Callback):
 class LossPlot(Callback):
     """A loss-curve PNG (training and validation loss against tokens) at the end of the run."""
 
-    def on_train_end(self, run: RunState) -> None:
+    def __init__(self) -> None:
+        self.path: Path | None = None
+
+    def on_train_end(self, parts: RunParts, progress: Progress) -> None:
         """Write ``<run_dir>/loss.png`` on rank 0."""
-        if run.is_main:
-            run.plot_path = plot_loss_curve(run.run_dir)
+        if parts.is_main:
+            self.path = plot_loss_curve(parts.run_dir)
+
+    def summary(self) -> dict[str, Any]:
+        """The plot's path."""
+        return {"plot": str(self.path) if self.path else ""}
 
 
 def plot_loss_curve(run_dir: str | os.PathLike) -> Path | None:

@@ -1,20 +1,27 @@
-"""One optimizer step: gradient accumulation over micro-batches, clipping, the NaN guard, update.
+"""One optimizer step: forward/backward of the rank's batch, clipping, the NaN guard, update.
 
-The step knows nothing about logging, evaluation or checkpoints (those are callbacks). It forces
-exactly one host sync, the finiteness check of the loss and gradient norm, which decides whether
-the update may happen (``nan_policy``); every other value stays on the device.
+The step knows nothing about logging, evaluation or checkpoints (those are callbacks), nor about
+the layout: the `LaidOutModel` runs forward and backward (gradient accumulation or the pipeline
+schedule) and the `TrainingOptimizer` clips and updates. It forces exactly one host sync, the
+finiteness check of the loss and gradient norm that decides whether the update may happen
+(``nan_policy``); every other value stays on the device (a test counts the syncs).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+from densetrain.data.stream import Batch
+from densetrain.optim.interface import TrainingOptimizer
+from densetrain.parallel.model import LaidOutModel, split_micro_batches
+
+__all__ = ["NonFiniteLossError", "StepOutput", "finish_step", "split_micro_batches",
+           "train_step"]
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -30,100 +37,36 @@ class StepOutput:
     context or pipeline parallel, of the whole sequences its group shares)."""
     grad_norm: torch.Tensor
     """Global gradient norm before clipping."""
-    num_tokens: int
-    """Target tokens this rank trained on in the step."""
+    num_tokens: torch.Tensor
+    """Target tokens this rank trained on in the step (0 when skipped); on the device."""
     skipped: bool = False
     """True when a non-finite loss made the step skip its update (``nan_policy="skip"``)."""
 
 
-LossFn = Callable[[torch.nn.Module, Any], Any]
-"""``loss_fn(model, micro_batch) -> LossOutput`` (``.loss`` differentiable, ``.num_tokens``)."""
-
-
-@contextlib.contextmanager
-def gradient_sync(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
-    """Skip the data-parallel gradient reduction on non-final micro-batches.
-
-    FSDP2 modules expose ``set_requires_gradient_sync``; DDP wrappers ``no_sync()``; anything else
-    (one process) needs nothing.
-    """
-    if enabled:
-        yield
-        return
-    if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-    elif hasattr(model, "no_sync"):
-        with model.no_sync():
-            yield
-    else:
-        yield
-
-
-def _valid_tokens(batch: Any, ignore_index: int) -> torch.Tensor:
-    return (batch.targets != ignore_index).sum()
-
-
 def train_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    micro_batches: Sequence[Any],
+    model: LaidOutModel,
+    optimizer: TrainingOptimizer,
+    batch: Batch,
     *,
-    loss_fn: LossFn,
-    clip_grad_norm: Callable[[Any, float], torch.Tensor],
+    micro_batch_size: int,
     grad_clip: float,
     autocast: Callable[[], AbstractContextManager[None]],
     nan_policy: str,
     step: int,
-    ignore_index: int = -100,
-    cp_group: Any = None,
 ) -> StepOutput:
-    """Accumulate gradients over ``micro_batches``, clip, check finiteness, update.
+    """Forward/backward over the rank's prepared ``batch``, clip, check finiteness, update.
 
-    Each micro-batch's mean loss is weighted by its share of this rank's target tokens, so the
-    accumulated gradient equals that of the mean over all tokens of the step. ``step`` (1-based,
-    the step being taken) only names the step in errors. ``grad_clip`` <= 0 measures the norm
-    without clipping.
-
-    With context parallel (``cp_group``: the ranks sharing each sequence), the token count is
-    summed over the group, so each rank's loss is weighted by its share of the whole sequences'
-    tokens; the gradient is multiplied by the group size because the data-parallel reduction
-    (FSDP over dp_shard × cp) averages over cp ranks where the loss needs their sum. The loss
-    returned is that of the whole sequences (summed over the group).
+    ``step`` (1-based, the step being taken) only names the step in errors. ``grad_clip`` <= 0
+    measures the norm without clipping.
     """
-    token_counts = [_valid_tokens(b, ignore_index) for b in micro_batches]
-    total_tokens = torch.stack(token_counts).sum()
-    cp_size = 1
-    if cp_group is not None:
-        import torch.distributed as dist
-
-        dist.all_reduce(total_tokens, group=cp_group)
-        cp_size = dist.get_world_size(cp_group)
-    total_tokens = total_tokens.clamp(min=1)
-    loss_sum = torch.zeros((), device=micro_batches[0].inputs.device)
-    last = len(micro_batches) - 1
-    for index, (batch, count) in enumerate(zip(micro_batches, token_counts, strict=True)):
-        with gradient_sync(model, enabled=index == last):
-            with autocast():
-                output = loss_fn(model, batch)
-            weight = count.to(output.loss.dtype) / total_tokens
-            (output.loss * (weight * cp_size)).backward()
-        loss_sum = loss_sum + output.loss.detach().float() * weight
-    if cp_group is not None:
-        import torch.distributed as dist
-
-        dist.all_reduce(loss_sum, group=cp_group)
-    params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = clip_grad_norm(params, grad_clip if grad_clip > 0 else math.inf)
-    return finish_step(optimizer, loss_sum, grad_norm, total_tokens, nan_policy=nan_policy,
-                       step=step)
+    loss, total_tokens = model.forward_backward(batch, micro_batch_size=micro_batch_size,
+                                                autocast=autocast)
+    grad_norm = optimizer.clip_grad_norm_(grad_clip if grad_clip > 0 else math.inf)
+    return finish_step(optimizer, loss, grad_norm, total_tokens, nan_policy=nan_policy, step=step)
 
 
 def finish_step(
-    optimizer: Any,
+    optimizer: TrainingOptimizer,
     loss: torch.Tensor,
     grad_norm: torch.Tensor,
     total_tokens: torch.Tensor,
@@ -138,35 +81,15 @@ def finish_step(
     """
     finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))  # the one host sync
     if not finite:
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         if nan_policy == "stop":
             raise NonFiniteLossError(
                 f"step {step}: non-finite training loss ({loss.item()}) or gradient norm "
                 f"({grad_norm.item()}); the run stops before any update or checkpoint. Lower "
                 "optim.lr, set optim.grad_clip, or use training.nan_policy='skip'"
             )
-        return StepOutput(loss=loss, grad_norm=grad_norm, num_tokens=0, skipped=True)
+        return StepOutput(loss=loss, grad_norm=grad_norm, num_tokens=torch.zeros_like(total_tokens),
+                          skipped=True)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return StepOutput(loss=loss, grad_norm=grad_norm, num_tokens=int(total_tokens))
-
-
-def split_micro_batches(batch: Any, micro_batch_size: int) -> list[Any]:
-    """Split a rank's batch (a dataclass of [b, S] tensors or None) into micro-batches."""
-    rows = batch.inputs.shape[0]
-    if rows % micro_batch_size != 0:
-        raise ValueError(
-            f"the rank's batch of {rows} sequences is not divisible by training.micro_batch_size="
-            f"{micro_batch_size}"
-        )
-    if rows == micro_batch_size:
-        return [batch]
-    fields = {k: v for k, v in vars(batch).items()}
-    pieces = []
-    for start in range(0, rows, micro_batch_size):
-        chunk = {
-            k: (v[start : start + micro_batch_size] if isinstance(v, torch.Tensor) else v)
-            for k, v in fields.items()
-        }
-        pieces.append(type(batch)(**chunk))
-    return pieces
+    optimizer.zero_grad()
+    return StepOutput(loss=loss, grad_norm=grad_norm, num_tokens=total_tokens)

@@ -16,7 +16,6 @@ from densetrain.checkpoint import (
     CheckpointShapeError,
     ModelState,
     NonFiniteStateError,
-    OptimizerState,
     RNGState,
     TrainerCounters,
     latest_checkpoint,
@@ -25,6 +24,7 @@ from densetrain.checkpoint import (
     read_checkpoint_config,
     save_checkpoint,
 )
+from densetrain.optim.interface import StandardOptimizer
 from densetrain.testing import run_distributed
 
 
@@ -64,7 +64,7 @@ def _train_steps(model, opt, steps: int, *, average_grads: bool = False) -> list
 def _tree(model, opt, stream, counters):
     return {
         "model": ModelState(model),
-        "optim": OptimizerState(model, opt),
+        "optim": StandardOptimizer(model, opt),
         "data": stream,
         "trainer": counters,
         "rng": RNGState(),

@@ -16,6 +16,7 @@ from densetrain.models.sizing import (
     matmul_params,
     param_counts,
 )
+from densetrain.scaling import references as ref
 
 COMBOS = list(
     itertools.product(
@@ -72,14 +73,7 @@ def test_param_counts_equal_meta_built_model(norm, bias, pos, act, block, tied):
 
 # Hoffmann et al. 2022, Table A4: (layers, d_model, ffw_size, heads) and the published ratio of
 # the detailed FLOP count to 6·N·D, for seq_len 2048 and vocab 32000.
-TABLE_A4 = [
-    (10, 640, 2560, 10, 1.03),
-    (20, 1024, 4096, 16, 1.10),
-    (24, 1280, 5120, 10, 1.08),
-    (26, 1792, 7168, 14, 1.04),
-    (28, 2048, 8192, 16, 1.03),
-    (40, 3584, 14336, 28, 0.99),
-]
+TABLE_A4 = list(ref.CHINCHILLA_TABLE_A4)
 
 
 @pytest.mark.parametrize("layers,d_model,ffw,heads,ratio", TABLE_A4)
@@ -135,11 +129,12 @@ def palm_540b() -> ModelConfig:
 
 def test_palm_540b_size_and_published_mfu():
     cfg = palm_540b()
-    assert param_counts(cfg).total == pytest.approx(540.35e9, rel=1e-3)  # Table 1: 540.35B
+    assert param_counts(cfg).total == pytest.approx(ref.PALM_540B_PARAMS, rel=1e-3)  # 540.35B
     # PaLM §4 / Table 3: 238.3k tokens/s on 6144 TPU v4 chips (275 TFLOP/s bf16 peak) is 46.2%
     # model FLOPs utilisation, with FLOPs per token from Appendix B's 6N + 12·L·H·Q·T.
-    mfu = flops_per_token_palm(cfg, 2048) * 238.3e3 / (6144 * 275e12)
-    assert mfu == pytest.approx(0.462, abs=0.0005)
+    mfu = flops_per_token_palm(cfg, 2048) * ref.PALM_TOKENS_PER_S / (
+        ref.PALM_CHIPS * ref.TPU_V4_PEAK_FLOPS)
+    assert mfu == pytest.approx(ref.PALM_MFU, abs=0.0005)
 
 
 def test_gpt3_175b_training_compute():
@@ -160,8 +155,9 @@ def test_gpt3_175b_training_compute():
         mlp_bias=True,
         tie_embeddings=True,
     )
-    assert param_counts(cfg).total == pytest.approx(175.0e9, rel=5e-3)
-    assert 6 * matmul_params(cfg) * 300e9 == pytest.approx(3.14e23, rel=5e-3)
+    assert param_counts(cfg).total == pytest.approx(ref.GPT3_175B_PARAMS, rel=5e-3)
+    assert 6 * matmul_params(cfg) * ref.GPT3_TRAIN_TOKENS == pytest.approx(
+        ref.GPT3_TRAIN_FLOPS, rel=5e-3)
     attention = 12 * 96 * 96 * 128 * 2048
     assert flops_per_token_palm(cfg, 2048) == 6 * matmul_params(cfg) + attention
 

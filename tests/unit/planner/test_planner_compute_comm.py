@@ -11,17 +11,20 @@ from densetrain.planner.compute import mfu, recompute_flops_per_token, stage_imb
 from densetrain.planner.hardware import get_cluster
 from densetrain.planner.layout import AC_POLICIES, Layout, PlanSettings
 from densetrain.planner.search import evaluate_layout
+from densetrain.scaling import references as ref
 
 
 def test_palm_mfu_from_published_numbers():
     # PaLM (Chowdhery et al. 2022, Table 3 and Appendix B): 238.3K tokens/s on 6144 TPU v4
     # chips at 275 TFLOP/s; 6N + 12LHQT with N = 540.35B, L = 118, H = 48, Q = 256, T = 2048.
-    per_token = 6 * 540.35e9 + 12 * 118 * 48 * 256 * 2048
-    assert round(mfu(238.3e3, per_token, 6144, 275e12), 3) == 0.462
+    per_token = 6 * ref.PALM_540B_PARAMS + 12 * 118 * 48 * 256 * 2048
+    assert round(mfu(ref.PALM_TOKENS_PER_S, per_token, ref.PALM_CHIPS,
+                     ref.TPU_V4_PEAK_FLOPS), 3) == ref.PALM_MFU
     palm = get_preset("palm-540b")
     per_token = flops_per_token_palm(palm, 2048)
     cluster = get_cluster("tpu-v4")
-    assert round(mfu(238.3e3, per_token, 6144, cluster.peak_flops), 3) == 0.462
+    assert round(mfu(ref.PALM_TOKENS_PER_S, per_token, ref.PALM_CHIPS, cluster.peak_flops),
+                 3) == ref.PALM_MFU
 
 
 def test_recompute_flops():

@@ -16,6 +16,7 @@ from densetrain.planner.memory import (
     zero_model_state_bytes,
 )
 from densetrain.planner.params import check_tensor_parallel, sharded_params
+from densetrain.scaling import references as ref
 
 NONE, SELECTIVE, FULL = (AC_POLICIES.index(p) for p in ("none", "selective", "full"))
 
@@ -23,10 +24,11 @@ NONE, SELECTIVE, FULL = (AC_POLICIES.index(p) for p in ("none", "selective", "fu
 @pytest.mark.parametrize(
     "stage, published_gb",
     # ZeRO paper, Figure 1 / Table 1: 7.5B parameters, N_d = 64, mixed-precision Adam (K = 12).
-    [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)],
+    sorted(ref.ZERO_FIGURE1_GB.items()),
 )
 def test_zero_paper_model_states_for_7_5b_on_64_devices(stage, published_gb):
-    params, grads, optim = zero_model_state_bytes(7.5e9, 64, stage, 2, 2, 12)
+    params, grads, optim = zero_model_state_bytes(
+        ref.ZERO_FIGURE1_PARAMS, ref.ZERO_FIGURE1_DEVICES, stage, 2, 2, 12)
     assert round(float(params + grads + optim) / 1e9, 1) == published_gb
 
 
@@ -36,7 +38,7 @@ def _gpt(dim: int, heads: int, ffn: int | None = None) -> ModelConfig:
                        position_embedding="learned", dropout=0.1)
 
 
-S, B, H, A = 2048, 1, 12288, 96  # GPT-3 175B's shape (Korthikanti et al. Table 3)
+S, B, H, A = (ref.KORTHIKANTI_SHAPE[k] for k in "sbha")  # GPT-3 175B (Korthikanti Table 3)
 
 
 def _act(cfg, t=1, sp=False, policy=NONE, flash=False, dropout=True):

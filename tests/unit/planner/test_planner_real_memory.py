@@ -90,7 +90,7 @@ def _measure(kind: str, cfg: ModelConfig) -> dict[str, int]:
            "embedding_grad": _nbytes([embedding_grad]) if embedding_grad is not None else 0,
            "embedding_param": _nbytes([model.tok_embeddings.weight])}
     opt.step()
-    out["optimizer"] = _adam_state_bytes(opt.optimizer if kind in ("zero1", "zero2") else opt)
+    out["optimizer"] = _adam_state_bytes(opt.torch_optimizer if kind in ("zero1", "zero2") else opt)
     out["params"] = _nbytes(model.parameters())
     return out
 

@@ -5,31 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-TINY_OVERRIDES = [
-    "--model.dim=64",
-    "--model.embed_dim=64",  # presets resolve derived widths at construction: restate them
-    "--model.head_dim=16",
-    "--model.num_layers=2",
-    "--model.num_heads=4",
-    "--model.num_kv_heads=2",
-    "--model.ffn_dim=128",
-    "--data.seq_len=32",
-    "--data.default_max_files=40",
-    "--data.default_vocab_size=512",
-    "--data.default_val_fraction=0.2",
-    "--training.global_batch_size=8",
-    "--training.micro_batch_size=4",
-    "--training.steps=20",
-    "--schedule.warmup_steps=2",
-    "--optim.lr=3e-3",
-    "--eval.interval=10",
-    "--eval.num_batches=2",
-    "--eval.sample_tokens=8",
-    "--checkpoint.interval=10",
-    "--logging.log_interval=1",
-    "--logging.progress=false",
-    "--logging.tensorboard=false",
-]
+from densetrain.testing import TINY_OVERRIDES
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +26,7 @@ def make_job(corpus_cache, tmp_path):
     from densetrain.config import load_job_config
 
     def build(*overrides: str, run: str = "run"):
-        base = TINY_OVERRIDES + [
+        base = list(TINY_OVERRIDES) + [
             f"--data.cache_dir={corpus_cache}",
             f"--logging.run_dir={tmp_path / run}",
         ]

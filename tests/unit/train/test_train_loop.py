@@ -22,8 +22,8 @@ class _Interrupt(Callback):
     def __init__(self, at: int) -> None:
         self.at = at
 
-    def on_step_end(self, run, output) -> None:
-        if run.counters.step == self.at:
+    def on_step_end(self, parts, progress, report) -> None:
+        if progress.step == self.at:
             raise KeyboardInterrupt(f"interrupted after step {self.at}")
 
 
@@ -33,10 +33,10 @@ class _PoisonWeights(Callback):
     def __init__(self, at: int) -> None:
         self.at = at
 
-    def on_step_end(self, run, output) -> None:
-        if run.counters.step == self.at:
+    def on_step_end(self, parts, progress, report) -> None:
+        if progress.step == self.at:
             with torch.no_grad():
-                run.inner_model.layers["0"].attn.wq.weight[0, 0] = float("nan")
+                parts.model.module.layers["0"].attn.wq.weight[0, 0] = float("nan")
 
 
 def test_loss_falls_and_run_files_are_written(make_job) -> None:
@@ -126,8 +126,9 @@ def test_cli_train_runs_with_overrides(make_job, tiny_overrides, capsys, tmp_pat
 
 
 class _CaptureInitialWeights(Callback):
-    def on_train_start(self, run) -> None:
-        self.weights = {k: v.detach().clone() for k, v in run.inner_model.state_dict().items()}
+    def on_train_start(self, parts, progress) -> None:
+        self.weights = {k: v.detach().clone()
+                        for k, v in parts.model.module.state_dict().items()}
 
 
 def test_init_from_hugging_face_directory_starts_from_its_weights(make_job, tmp_path) -> None:
@@ -164,8 +165,8 @@ def test_bf16_autocast_tracks_fp32_with_fp32_master_weights(make_job) -> None:
 
 
 class _CaptureLossKernelFlag(Callback):
-    def on_train_start(self, run) -> None:
-        self.compiled = run.inner_model.compile_loss_kernel
+    def on_train_start(self, parts, progress) -> None:
+        self.compiled = parts.model.module.compile_loss_kernel
 
 
 @pytest.mark.slow

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from densetrain.models.loss import cross_entropy_loss
+from densetrain.optim.interface import StandardOptimizer
+from densetrain.parallel.model import LaidOutModel
 from densetrain.train import NonFiniteLossError, split_micro_batches, train_step
 
 
@@ -38,13 +40,17 @@ def _batch() -> _Batch:
     return _Batch(inputs=inputs, targets=targets)
 
 
-def _step(model, batch, micro: int, *, clip: float = 0.0, policy: str = "stop", step: int = 1):
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+def _run(model, batch, micro: int, *, loss_fn=_loss, clip: float = 0.0, policy: str = "stop",
+         step: int = 1):
+    opt = StandardOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.5))
     return train_step(
-        model, opt, split_micro_batches(batch, micro), loss_fn=_loss,
-        clip_grad_norm=torch.nn.utils.clip_grad_norm_, grad_clip=clip,
-        autocast=contextlib.nullcontext, nan_policy=policy, step=step,
+        LaidOutModel(module=model, loss_fn=loss_fn), opt, batch, micro_batch_size=micro,
+        grad_clip=clip, autocast=contextlib.nullcontext, nan_policy=policy, step=step,
     )
+
+
+def _step(model, batch, micro: int, *, clip: float = 0.0, policy: str = "stop", step: int = 1):
+    return _run(model, batch, micro, clip=clip, policy=policy, step=step)
 
 
 def test_accumulation_matches_one_full_batch_reference() -> None:
@@ -58,7 +64,7 @@ def test_accumulation_matches_one_full_batch_reference() -> None:
             p -= 0.5 * p.grad
     accumulated = _model()
     out = _step(accumulated, batch, micro=1)
-    assert out.num_tokens == 4 * 6 - 4 and not out.skipped
+    assert int(out.num_tokens) == 4 * 6 - 4 and not out.skipped
     torch.testing.assert_close(out.loss, loss.detach(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out.grad_norm, norm, rtol=1e-5, atol=1e-6)
     for p, q in zip(accumulated.parameters(), reference.parameters(), strict=True):
@@ -85,13 +91,8 @@ def _nan_loss(model, batch):
 def test_nan_loss_stops_naming_the_step_and_leaves_weights() -> None:
     model = _model()
     before = [p.detach().clone() for p in model.parameters()]
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
     with pytest.raises(NonFiniteLossError, match="step 7"):
-        train_step(
-            model, opt, [_batch()], loss_fn=_nan_loss,
-            clip_grad_norm=torch.nn.utils.clip_grad_norm_, grad_clip=1.0,
-            autocast=contextlib.nullcontext, nan_policy="stop", step=7,
-        )
+        _run(model, _batch(), 4, loss_fn=_nan_loss, clip=1.0, policy="stop", step=7)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
     assert all(p.grad is None for p in model.parameters())
 
@@ -99,16 +100,51 @@ def test_nan_loss_stops_naming_the_step_and_leaves_weights() -> None:
 def test_nan_loss_skip_policy_skips_the_update() -> None:
     model = _model()
     before = [p.detach().clone() for p in model.parameters()]
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    out = train_step(
-        model, opt, [_batch()], loss_fn=_nan_loss,
-        clip_grad_norm=torch.nn.utils.clip_grad_norm_, grad_clip=1.0,
-        autocast=contextlib.nullcontext, nan_policy="skip", step=3,
-    )
-    assert out.skipped and out.num_tokens == 0 and math.isnan(float(out.loss))
+    out = _run(model, _batch(), 4, loss_fn=_nan_loss, clip=1.0, policy="skip", step=3)
+    assert out.skipped and int(out.num_tokens) == 0 and math.isnan(float(out.loss))
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
 
 
 def test_split_rejects_indivisible_micro_batch() -> None:
     with pytest.raises(ValueError, match="micro_batch_size=3"):
         split_micro_batches(_batch(), 3)
+
+
+def test_the_step_makes_exactly_one_host_sync(monkeypatch) -> None:
+    """Every place densetrain's own code turns a tensor into a Python value (on a GPU a host
+    sync) during a step of a real model with micro-batches, the chunked head and clipping: one,
+    the finiteness check. Calls from torch's own code (the optimizer's CPU step counters) are
+    not densetrain's and are not counted."""
+    import sys
+
+    from densetrain.models import ModelConfig, Transformer
+    from densetrain.parallel.model import model_loss_fn
+
+    calls: list[str] = []
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def wrapper(self, *args, **kwargs):
+            caller = sys._getframe(1)
+            if "densetrain" in caller.f_code.co_filename.replace("\\", "/").split("/"):
+                calls.append(f"{name} at {caller.f_code.co_filename}:{caller.f_lineno}")
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    cfg = ModelConfig(vocab_size=97, dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      ffn_dim=64, max_seq_len=16)
+    model = Transformer(cfg)
+    model.init_weights(seed=0)
+    tokens = torch.randint(0, 97, (4, 17), generator=torch.Generator().manual_seed(0))
+    batch = _Batch(inputs=tokens[:, :-1], targets=tokens[:, 1:])
+    opt = StandardOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    laid_out = LaidOutModel(module=model, loss_fn=model_loss_fn(8))
+    for name in ("__bool__", "__int__", "__float__", "item", "tolist", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    out = train_step(laid_out, opt, batch, micro_batch_size=2, grad_clip=1.0,
+                     autocast=contextlib.nullcontext, nan_policy="stop", step=1)
+    monkeypatch.undo()
+    assert len(calls) == 1, calls
+    assert "step.py" in calls[0] and not out.skipped

@@ -1,0 +1,112 @@
+"""`build_model`: the one entry point from a model config to a model laid out on the ranks.
+
+Meta-device build → `parallelize` (TP/SP → CP → activation checkpointing → compile → FSDP/DDP)
+→ materialise on the device → seeded `init_weights`, so every layout starts from bit-identical
+weights; with pp > 1 the same per stage (`parallel.pipeline.build_pipeline`) under one
+`PipelinedModel`. The result is a `LaidOutModel`, the interface the trainer uses for every layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+import torch.distributed as dist
+
+from densetrain.models.config import ModelConfig
+from densetrain.parallel.config import ParallelConfig
+from densetrain.parallel.mesh import ParallelDims, ParallelMesh
+from densetrain.parallel.model import LaidOutModel, model_loss_fn
+
+
+def pipeline_microbatches(cfg: ParallelConfig, dims: ParallelDims, *, local_batch_size: int,
+                          micro_batch_size: int) -> int:
+    """Pipeline microbatches per step: ``parallel.pp_microbatches``, or when 0 the rank's batch
+    over ``training.micro_batch_size`` (so a microbatch has the usual number of sequences)."""
+    count = cfg.pp_microbatches or local_batch_size // micro_batch_size
+    if count < 1 or local_batch_size % count != 0:
+        raise ValueError(
+            f"parallel.pp={dims.pp}: the rank's batch of {local_batch_size} sequences does not "
+            f"split into {count} pipeline microbatches; set parallel.pp_microbatches to a divisor"
+        )
+    if cfg.pp_schedule != "gpipe" and count < dims.pp:
+        raise ValueError(
+            f"parallel.pp={dims.pp} with pp_schedule={cfg.pp_schedule!r} needs at least pp "
+            f"microbatches per step, got {count} (rank batch {local_batch_size} / "
+            f"training.micro_batch_size={micro_batch_size}); lower training.micro_batch_size or "
+            "set parallel.pp_microbatches"
+        )
+    return count
+
+
+def build_model(
+    model_cfg: ModelConfig,
+    parallel_cfg: ParallelConfig,
+    pmesh: ParallelMesh,
+    *,
+    device: torch.device,
+    seed: int,
+    compile: bool = False,
+    loss_chunk_size: int | None = None,
+    local_batch_size: int | None = None,
+    micro_batch_size: int | None = None,
+) -> LaidOutModel:
+    """``model_cfg`` laid out on ``pmesh`` as ``parallel_cfg`` says, initialised from ``seed``.
+
+    ``loss_chunk_size`` selects the chunked output head (None: full logits). Pipeline parallel
+    needs ``local_batch_size`` and ``micro_batch_size`` to size its microbatches.
+    """
+    from densetrain.models import Transformer
+    from densetrain.parallel.parallelize import init_weights, parallelize
+
+    chunk = loss_chunk_size if loss_chunk_size and loss_chunk_size > 0 else None
+    if pmesh.dims.pp > 1:
+        return _build_pipelined(model_cfg, parallel_cfg, pmesh, device=device, seed=seed,
+                                compile=compile, local_batch_size=local_batch_size,
+                                micro_batch_size=micro_batch_size)
+    with torch.device("meta"):
+        module = Transformer(model_cfg)
+    module = parallelize(module, pmesh, parallel_cfg, compile=compile)
+    module.to_empty(device=device)
+    init_weights(module, seed)
+    return LaidOutModel(module=module, pmesh=pmesh, loss_fn=model_loss_fn(chunk),
+                        ignore_index=model_cfg.ignore_index)
+
+
+def _build_pipelined(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, pmesh: ParallelMesh,
+                     *, device: torch.device, seed: int, compile: bool,
+                     local_batch_size: int | None, micro_batch_size: int | None) -> LaidOutModel:
+    """This rank's stages (parallelized, initialised), their schedule, one `PipelinedModel`."""
+    from densetrain.models import Transformer
+    from densetrain.models.loss import cross_entropy_loss
+    from densetrain.parallel.pipeline import PipelinedModel, bubble_fraction, build_pipeline
+
+    dims = pmesh.dims
+    if parallel_cfg.zero_stage < 3:
+        raise ValueError(f"parallel.pp={dims.pp} composes with parallel.zero_stage=3 (FSDP) "
+                         f"only, got zero_stage={parallel_cfg.zero_stage}")
+    if compile:
+        raise ValueError(f"training.compile is not supported with parallel.pp={dims.pp}")
+    if local_batch_size is None or micro_batch_size is None:
+        raise ValueError("pipeline parallel needs the rank's batch and micro-batch sizes")
+    count = pipeline_microbatches(parallel_cfg, dims, local_batch_size=local_batch_size,
+                                  micro_batch_size=micro_batch_size)
+    cfg = dataclasses.replace(parallel_cfg, pp_microbatches=count)
+    if dist.get_rank() == 0:
+        print(f"pipeline: {dims.pp} stages x {cfg.pp_virtual_stages} virtual, schedule "
+              f"{cfg.pp_schedule}, {count} microbatches; bubble fraction (p-1)/(v*m+p-1) = "
+              f"{bubble_fraction(dims.pp, count, cfg.pp_virtual_stages):.3f} "
+              "(Narayanan et al. 2021)", file=sys.stderr)
+
+    def make_stage() -> torch.nn.Module:
+        with torch.device(device):
+            return Transformer(model_cfg)
+
+    def stage_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_loss(logits_BSV, targets_BS, ignore_index=model_cfg.ignore_index,
+                                  z_loss_coef=model_cfg.z_loss_coef).loss
+
+    pipeline = build_pipeline(make_stage, pmesh, cfg, stage_loss, init_seed=seed, device=device)
+    return LaidOutModel(module=PipelinedModel(pipeline), pmesh=pmesh, pipeline=pipeline,
+                        ignore_index=model_cfg.ignore_index)

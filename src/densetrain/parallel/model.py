@@ -1,0 +1,232 @@
+"""`LaidOutModel`: a model on its layout, with one interface for every layout.
+
+The trainer, the evaluator and the sampler talk to this object only: it moves a batch to the
+device and takes this rank's share of it (`prepare_batch`: context parallel holds 1/cp of every
+sequence), runs forward and backward over a rank's batch (`forward_backward`: gradient
+accumulation over micro-batches, or the pipeline schedule), evaluates (`eval_loss`) and gathers
+the full weights (`gathered_state_dict`, for sampling and export). Which layout it is matters
+only inside these methods.
+
+Shape legend: B batch rows, S sequence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from densetrain.parallel.mesh import ParallelMesh
+
+LossFn = Callable[[nn.Module, Any], Any]
+"""``loss_fn(module, micro_batch) -> LossOutput`` (``.loss`` differentiable, ``.ce_loss``)."""
+Autocast = Callable[[], AbstractContextManager[None]]
+
+
+@contextlib.contextmanager
+def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the data-parallel gradient reduction on non-final micro-batches.
+
+    FSDP2 modules expose ``set_requires_gradient_sync``; composable DDP (``replicate``) too;
+    anything else (one process) needs nothing.
+    """
+    if enabled or not hasattr(module, "set_requires_gradient_sync"):
+        yield
+        return
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def split_micro_batches(batch: Any, micro_batch_size: int) -> list[Any]:
+    """Split a rank's batch (a dataclass of [b, S] tensors or None) into micro-batches."""
+    rows = batch.inputs.shape[0]
+    if rows % micro_batch_size != 0:
+        raise ValueError(
+            f"the rank's batch of {rows} sequences is not divisible by training.micro_batch_size="
+            f"{micro_batch_size}"
+        )
+    if rows == micro_batch_size:
+        return [batch]
+    pieces = []
+    for start in range(0, rows, micro_batch_size):
+        chunk = {
+            k: (v[start : start + micro_batch_size] if isinstance(v, torch.Tensor) else v)
+            for k, v in vars(batch).items()
+        }
+        pieces.append(type(batch)(**chunk))
+    return pieces
+
+
+def model_loss_fn(chunk_size: int | None) -> LossFn:
+    """The loss through the model's own ``forward`` (``targets_BS``): the chunked head with
+    ``chunk_size``, the model's ``loss_head`` (vocab-parallel under tensor parallel)."""
+
+    def loss_fn(module: nn.Module, batch: Any):
+        return module(batch.inputs, targets_BS=batch.targets, positions_BS=batch.positions,
+                      document_ids_BS=batch.document_ids, loss_chunk_size=chunk_size)
+
+    return loss_fn
+
+
+@dataclass(kw_only=True)
+class LaidOutModel:
+    """A (possibly sharded, possibly pipelined) model and how to train, evaluate and gather it.
+
+    ``module`` holds this rank's parameters under the full model's names (what optimizers and
+    checkpoints see); ``pipeline`` is set when pp > 1 (then ``module`` is not callable).
+    """
+
+    module: nn.Module
+    pmesh: ParallelMesh | None = None
+    loss_fn: LossFn = dataclasses.field(default_factory=lambda: model_loss_fn(None))
+    pipeline: Any = None
+    ignore_index: int = -100
+
+    # ------------------------------------------------------------------ batches
+    @property
+    def cp_size(self) -> int:
+        """Context-parallel degree (ranks sharing every sequence)."""
+        return 1 if self.pmesh is None else self.pmesh.dims.cp
+
+    def prepare_batch(self, batch: Any, device: torch.device) -> Any:
+        """``batch`` on ``device``; with context parallel, this rank's load-balanced share of
+        every sequence (`parallel.context.shard_sequence`) with its global positions."""
+        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                 for k, v in vars(batch).items()}
+        batch = type(batch)(**moved)
+        if self.pipeline is not None and (batch.document_ids is not None
+                                          or batch.positions is not None):
+            raise ValueError("pipeline parallel runs the plain causal mask only; turn off "
+                             "document masking in the data config")
+        if self.cp_size == 1:
+            return batch
+        from densetrain.parallel.context import shard_sequence
+
+        if batch.document_ids is not None:
+            raise ValueError(f"parallel.cp={self.cp_size} supports the plain causal mask only; "
+                             "turn off document masking in the data config")
+        cp, cp_rank = self.cp_size, self.pmesh.local_rank("cp")
+        rows, seq_len = batch.inputs.shape
+        positions_BS = batch.positions
+        if positions_BS is None:
+            positions_BS = torch.arange(seq_len, device=device).expand(rows, seq_len)
+        return type(batch)(
+            inputs=shard_sequence(batch.inputs, cp_rank, cp),
+            targets=shard_sequence(batch.targets, cp_rank, cp),
+            positions=shard_sequence(positions_BS, cp_rank, cp),
+            document_ids=None,
+        )
+
+    # ------------------------------------------------------------------ training
+    def forward_backward(
+        self, batch: Any, *, micro_batch_size: int, autocast: Autocast
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of this rank's (prepared) batch; returns ``(loss, tokens)``:
+        the token-weighted mean loss of the whole sequences this rank's group trains on and the
+        number of target tokens, both on the device (no host sync)."""
+        if self.pipeline is not None:
+            with autocast():
+                return self._pipeline_forward_backward(batch)
+        return self._accumulate(split_micro_batches(batch, micro_batch_size), autocast)
+
+    def _accumulate(
+        self, micro_batches: Sequence[Any], autocast: Autocast
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradient accumulation: each micro-batch's mean loss weighted by its share of the
+        rank's target tokens, so the gradient is that of the mean over all tokens of the step.
+
+        With context parallel the token count is summed over the cp group and the gradient
+        multiplied by its size, because the data-parallel reduction (FSDP over dp_shard × cp)
+        averages over cp ranks where the loss needs their sum; the loss returned is that of the
+        whole sequences (summed over the group).
+        """
+        counts = [(b.targets != self.ignore_index).sum() for b in micro_batches]
+        total_tokens = torch.stack(counts).sum()
+        cp_group = self.pmesh.group("cp") if self.pmesh is not None else None
+        if cp_group is not None:
+            dist.all_reduce(total_tokens, group=cp_group)
+        total_tokens = total_tokens.clamp(min=1)
+        loss_sum = torch.zeros((), device=micro_batches[0].inputs.device)
+        last = len(micro_batches) - 1
+        for index, (batch, count) in enumerate(zip(micro_batches, counts, strict=True)):
+            with gradient_sync(self.module, enabled=index == last):
+                with autocast():
+                    output = self.loss_fn(self.module, batch)
+                weight = count.to(output.loss.dtype) / total_tokens
+                (output.loss * (weight * self.cp_size)).backward()
+            loss_sum = loss_sum + output.loss.detach().float() * weight
+        if cp_group is not None:
+            dist.all_reduce(loss_sum, group=cp_group)
+        return loss_sum, total_tokens
+
+    def _pipeline_forward_backward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The schedule averages its microbatches' losses on the last stage; the mean is summed
+        over the pp group (the other stages add zero) so every rank reports it."""
+        loss = self.pipeline.step(batch.inputs, batch.targets)
+        return self._share_over_pp(loss, batch), (batch.targets != self.ignore_index).sum()
+
+    def _share_over_pp(self, loss: torch.Tensor | None, batch: Any) -> torch.Tensor:
+        value = (torch.zeros((), device=batch.inputs.device) if loss is None
+                 else loss.detach().float())
+        dist.all_reduce(value, group=self.pmesh.group("pp"))
+        return value
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def eval_loss(self, batch: Any, *, micro_batch_size: int, autocast: Autocast
+                  ) -> torch.Tensor:
+        """Token-weighted mean cross-entropy of this rank's (prepared) batch, without gradients,
+        in micro-batches. Under pipeline parallel the schedule's forward-only pass over the whole
+        batch gives the stage loss (cross-entropy plus the z-loss term when ``z_loss_coef`` > 0).
+        """
+        if self.pipeline is not None:
+            with autocast():
+                return self._share_over_pp(self.pipeline.eval(batch.inputs, batch.targets),
+                                           batch)
+        self.module.eval()
+        try:
+            total = torch.zeros((), device=batch.inputs.device)
+            tokens = torch.zeros((), device=batch.inputs.device)
+            for micro in split_micro_batches(batch, micro_batch_size):
+                with autocast():
+                    out = self.loss_fn(self.module, micro)
+                total += out.ce_loss.float() * out.num_tokens
+                tokens += out.num_tokens
+            return total / tokens.clamp(min=1)
+        finally:
+            self.module.train()
+
+    # ------------------------------------------------------------------ full weights
+    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full, unsharded weights on the CPU under the full model's names, on every rank
+        (a collective: every rank must call it). Sharded (FSDP/TP) tensors are gathered;
+        pipeline stages are exchanged over the pp group."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        if self.pmesh is None or self.pmesh.device_mesh is None:
+            return {k: v.detach().cpu() for k, v in get_model_state_dict(self.module).items()}
+        local = get_model_state_dict(self.module,
+                                     options=StateDictOptions(full_state_dict=True))
+        local = {k: v.detach().cpu() for k, v in local.items()}
+        pp_group = self.pmesh.group("pp")
+        if pp_group is None:
+            return local
+        parts: list[Any] = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(parts, local, group=pp_group)
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        return merged

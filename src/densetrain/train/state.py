@@ -1,0 +1,119 @@
+"""The run's state, split by lifetime.
+
+- `RunParts`: what was built once from the job (the laid-out model, the optimizer, schedules,
+  data, device, the mesh, paths and sizes). Never changes during the run.
+- `Progress`: the checkpointed counters (``TrainerCounters``: optimizer steps taken and tokens
+  consumed), restored on resume.
+- `StepReport`: what one step produced (loss, gradient norm, learning rate, timings and, on
+  evaluation steps, the validation loss). Callbacks read it; none writes into it, so they do
+  not depend on each other's order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from densetrain.checkpoint import ModelState, RNGState, TrainerCounters
+from densetrain.config.sections import TrainingConfig
+from densetrain.data.bundle import DataBundle
+from densetrain.models.config import ModelConfig
+from densetrain.optim.interface import TrainingOptimizer
+from densetrain.optim.schedules import BatchSizeSchedule, LRScheduler
+from densetrain.parallel.mesh import ParallelMesh
+from densetrain.parallel.model import LaidOutModel
+
+Progress = TrainerCounters
+"""The checkpointed progress of a run: ``step`` (optimizer steps taken) and ``tokens``."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelSizes:
+    """Counts of the model (from ``models.sizing``) that MFU and the summary use."""
+
+    params: int
+    non_embedding_params: int
+    flops_per_token: float
+
+
+@dataclass(kw_only=True)
+class RunParts:
+    """Everything built once for a run (see the module docstring)."""
+
+    model: LaidOutModel
+    model_cfg: ModelConfig
+    optimizer: TrainingOptimizer
+    scheduler: LRScheduler
+    batch_schedule: BatchSizeSchedule
+    data: DataBundle
+    device: torch.device
+    autocast: Callable[[], AbstractContextManager[None]]
+    pmesh: ParallelMesh
+    training: TrainingConfig
+    seq_len: int
+    grad_clip: float
+    rank: int
+    world_size: int
+    run_dir: Path
+    checkpoint_dir: Path
+    config_toml: str
+    sizes: ModelSizes
+    peak_flops: float
+    peak_source: str
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0 (the one that prints and writes run files)."""
+        return self.rank == 0
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree (ranks that read different sequences)."""
+        return self.pmesh.dims.dp_size
+
+    def state_tree(self, progress: Progress) -> dict[str, Any]:
+        """The Stateful tree one checkpoint covers."""
+        return {
+            "model": ModelState(self.model.module),
+            "optim": self.optimizer,
+            "lr_schedule": self.scheduler,
+            "batch_schedule": self.batch_schedule,
+            "data": self.data.train,
+            "rng": RNGState(),
+            "trainer": progress,
+        }
+
+
+@dataclass(kw_only=True)
+class StepReport:
+    """What one optimizer step produced; tensors stay on the device until a reader needs them."""
+
+    step: int
+    """Optimizer steps taken, this one included."""
+    total_steps: int
+    loss: torch.Tensor
+    """Token-weighted mean training loss of the step (over the whole sequences of the group)."""
+    grad_norm: torch.Tensor
+    """Global gradient norm before clipping."""
+    skipped: bool
+    """True when a non-finite loss made the step skip its update (``nan_policy="skip"``)."""
+    lr: float
+    tokens: int
+    """Training tokens consumed by the run so far (all processes, since step 0)."""
+    process_tokens: int
+    """Training tokens this process has trained on (since it started)."""
+    process_train_seconds: float
+    """Seconds this process spent in training steps."""
+    step_seconds: float
+    eval: dict[str, float] = field(default_factory=dict)
+    """``val_loss`` and ``val_ppl`` on evaluation steps, else empty."""
+
+    @property
+    def is_last(self) -> bool:
+        """The run's final step."""
+        return self.step >= self.total_steps

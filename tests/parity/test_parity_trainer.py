@@ -1,0 +1,137 @@
+"""Parity ladder through the trainer: `densetrain.train.train()` (the code users run) on every
+layout it supports, against the one-process run of the same job.
+
+Each layout trains the tiny job for 4 steps with evaluation at steps 2 and 4, a final checkpoint
+and the end-of-run sample. Compared with the one-process control: per-step training loss and
+gradient norm, both validation losses, the greedy sample, and the final weights read back from
+each run's checkpoint on one process (DCP reshards any layout's checkpoint to a whole model).
+
+Tolerance: the layouts reorder float32 sums (gradient reduction over ranks, TP partial sums,
+attention over gathered keys, microbatch means), a few ulps per step that four AdamW updates
+grow to ~1e-6 in the losses; rel 1e-4 / abs 1e-5 on losses and norms and 5e-5 absolute on the
+weights are far below what a real bug moves (a missed 1/N or all-reduce: > 1e-3 in the loss).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from densetrain.testing import TINY_OVERRIDES, run_distributed, tiny_job_overrides
+from densetrain.train import read_metrics, train
+
+STEPS = ["--training.steps=4", "--eval.interval=2", "--eval.sample_tokens=6",
+         "--checkpoint.interval=4", "--checkpoint.keep_last=1", "--logging.plot=false",
+         "--optim.grad_clip=0.5"]
+TOL = {"rel": 1e-4, "abs": 1e-5}
+WEIGHT_TOL = 5e-5
+
+TWO_RANK = {
+    "ddp": ["--parallel.dp_replicate=2", "--parallel.dp_shard=1"],
+    "zero1": ["--parallel.dp_shard=2", "--parallel.zero_stage=1"],
+    "zero2": ["--parallel.dp_shard=2", "--parallel.zero_stage=2"],
+    "zero3": ["--parallel.dp_shard=2"],
+    "zero3_ac": ["--parallel.dp_shard=2", "--parallel.activation_checkpointing=full"],
+    "tp": ["--parallel.tp=2", "--parallel.dp_shard=1", "--parallel.sequence_parallel=false"],
+    "tp_sp": ["--parallel.tp=2", "--parallel.dp_shard=1"],
+    "cp": ["--parallel.cp=2", "--parallel.dp_shard=1"],
+    "pp_gpipe": ["--parallel.pp=2", "--parallel.dp_shard=1", "--parallel.pp_schedule=gpipe"],
+    "pp_1f1b": ["--parallel.pp=2", "--parallel.dp_shard=1", "--parallel.pp_schedule=1f1b"],
+}
+FAST = ("ddp", "zero2", "tp_sp", "cp", "pp_1f1b")
+FOUR_RANK = {
+    "hsdp": ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"],
+    "fsdp_tp": ["--parallel.dp_shard=2", "--parallel.tp=2"],
+    "cp_tp": ["--parallel.cp=2", "--parallel.tp=2", "--parallel.dp_shard=1"],
+    "pp_fsdp": ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.pp_microbatches=2"],
+    "pp_tp": ["--parallel.pp=2", "--parallel.tp=2", "--parallel.dp_shard=1"],
+    "pp_interleaved": ["--parallel.pp=2", "--parallel.dp_shard=1", "--model.num_layers=4",
+                       "--parallel.pp_schedule=interleaved_1f1b",
+                       "--parallel.pp_virtual_stages=2", "--parallel.pp_microbatches=2"],
+}
+
+
+def _train_layouts(rank: int, world: int, runs: list[tuple[str, list[str]]]) -> list[dict]:
+    from densetrain.config import load_job_config
+
+    torch.set_num_threads(1)
+    return [train(load_job_config(None, overrides)) for _, overrides in runs]
+
+
+def _final_weights(run_dir: Path, layers: int) -> dict[str, torch.Tensor]:
+    """The final checkpoint's model, loaded on one process into a whole model."""
+    from densetrain.checkpoint import ModelState, latest_checkpoint, load_checkpoint
+    from densetrain.config import load_job_config
+    from densetrain.models import Transformer
+
+    job = load_job_config(None, [*TINY_OVERRIDES, f"--model.num_layers={layers}"])
+    model = Transformer(job.build_model_config(512))
+    load_checkpoint(latest_checkpoint(run_dir / "checkpoints"), {"model": ModelState(model)})
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _base(run_dir: Path, cache: str) -> list[str]:
+    return tiny_job_overrides(cache_dir=cache, run_dir=str(run_dir), extra=tuple(STEPS))
+
+
+def _layers(extra: list[str]) -> int:
+    given = [int(a.split("=")[1]) for a in extra if a.startswith("--model.num_layers=")]
+    return given[-1] if given else 2
+
+
+@pytest.fixture(scope="module")
+def controls(tmp_path_factory) -> dict:
+    """One-process runs of the job (2 and 4 layers) and the corpus cache they prepared."""
+    from densetrain.config import load_job_config
+
+    root = tmp_path_factory.mktemp("trainer-ladder")
+    cache = str(root / "cache")
+    out = {"cache": cache, "root": root}
+    for layers in (2, 4):
+        run_dir = root / f"control{layers}"
+        summary = train(load_job_config(None, _base(run_dir, cache)
+                                        + [f"--model.num_layers={layers}"]))
+        out[layers] = {"summary": summary, "metrics": read_metrics(run_dir), "dir": run_dir}
+    return out
+
+
+def _compare(name: str, summary: dict, run_dir: Path, extra: list[str], controls: dict) -> None:
+    control = controls[_layers(extra)]
+    got, ref = read_metrics(run_dir), control["metrics"]
+    assert [r["step"] for r in got] == [r["step"] for r in ref], name
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in ref], **TOL), (name, key)
+    val = [r["val_loss"] for r in got if "val_loss" in r]
+    assert len(val) == 2, name
+    assert val == pytest.approx([r["val_loss"] for r in ref if "val_loss" in r], **TOL), name
+    assert summary["sample"] == control["summary"]["sample"], name
+    weights = _final_weights(run_dir, _layers(extra))
+    reference = _final_weights(control["dir"], _layers(extra))
+    for key, value in reference.items():
+        torch.testing.assert_close(weights[key], value, atol=WEIGHT_TOL, rtol=0,
+                                   msg=lambda m, k=key: f"{name} {k}: {m}")
+
+
+def _run_ladder(layouts: dict[str, list[str]], world: int, controls: dict,
+                timeout: float) -> None:
+    runs = [(name, _base(controls["root"] / name, controls["cache"]) + extra)
+            for name, extra in layouts.items()]
+    results = run_distributed(_train_layouts, world, runs, timeout=timeout)
+    for (name, _), summary in zip(runs, results[0], strict=True):
+        _compare(name, summary, controls["root"] / name, layouts[name], controls)
+
+
+def test_trainer_layouts_on_two_ranks_match_one_process(controls) -> None:
+    _run_ladder({k: TWO_RANK[k] for k in FAST}, 2, controls, timeout=420)
+
+
+@pytest.mark.slow
+def test_all_trainer_layouts_on_two_ranks_match_one_process(controls) -> None:
+    _run_ladder({k: v for k, v in TWO_RANK.items() if k not in FAST}, 2, controls, timeout=600)
+
+
+@pytest.mark.slow
+def test_trainer_layouts_on_four_ranks_match_one_process(controls) -> None:
+    _run_ladder(FOUR_RANK, 4, controls, timeout=900)
