@@ -1,17 +1,20 @@
-"""Atomic, retained checkpoints of a Stateful tree through `torch.distributed.checkpoint` (DCP).
+"""Atomic, verified, retained checkpoints of a Stateful tree through `torch.distributed.checkpoint`.
 
 Layout of a checkpoint directory::
 
-    <dir>/step-00000100/        a complete checkpoint (DCP shards + .metadata)
-        config.toml             the resolved job config
-        COMPLETE                completion marker, written last
-    <dir>/step-00000200.tmp/    a save in progress (or one that failed); never loaded
+    <dir>/step-00000100/           a complete checkpoint
+        __0_0.distcp, .metadata    DCP shards and metadata
+        config.toml                the resolved job config
+        manifest.json              size + SHA-256 of every file above (manifest.py), written last
+    <dir>/step-00000200.tmp/       a save in progress (or one that failed); never loaded
+    <dir>/step-00000050.damaged/   a checkpoint whose manifest did not verify, set aside on resume
 
-A save writes into ``step-N.tmp/`` on every rank, then rank 0 adds ``config.toml``, renames the
-directory to ``step-N/`` and writes ``COMPLETE``. `latest_checkpoint` only returns directories
-whose name parses and whose marker exists, so an interrupted save (exception, full disk, killed
-process) can never be picked, and the previous checkpoint is never touched before the new one is
-complete. The same code runs on one process (no process group) and on many.
+A save (saving.py) writes into ``step-N.tmp/`` on every rank, then rank 0 adds ``config.toml``
+and the manifest and renames the directory to ``step-N/``. So a ``step-N`` directory exists only
+once complete; one whose manifest does not verify (flipped bytes, truncated or deleted files) is
+damaged. `latest_checkpoint` returns the newest directory with a manifest;
+`verify_checkpoint` checks it (collective: the ranks share the hashing). The same code runs on
+one process (no process group) and on many.
 """
 
 from __future__ import annotations
@@ -25,13 +28,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from densetrain.checkpoint import collective
+from densetrain.checkpoint.manifest import (
+    MANIFEST_FILE,
+    Damage,
+    check_hashes,
+    check_sizes,
+    read_manifest,
+    share_of,
+)
 from densetrain.checkpoint.state import RNGState
 
-COMPLETE_MARKER = "COMPLETE"
+COMPLETE_MARKER = MANIFEST_FILE
+"""The file whose presence makes a ``step-N`` directory a complete checkpoint."""
 CONFIG_FILE = "config.toml"
 _NAME_RE = re.compile(r"^step-(\d{8,})$")
 
@@ -48,17 +60,13 @@ class NonFiniteStateError(CheckpointError):
     """A model tensor holds NaN or inf; such a state is never saved."""
 
 
-def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
+class CheckpointDamagedError(CheckpointError):
+    """A checkpoint's files do not match its manifest; ``damage`` lists each bad file."""
 
-
-def _rank() -> int:
-    return dist.get_rank() if _dist_on() else 0
-
-
-def _barrier() -> None:
-    if _dist_on():
-        dist.barrier()
+    def __init__(self, path: Path, damage: list[Damage]) -> None:
+        self.path = path
+        self.damage = damage
+        super().__init__(f"checkpoint {path} is damaged: " + "; ".join(map(str, damage)))
 
 
 def checkpoint_name(step: int) -> str:
@@ -67,21 +75,28 @@ def checkpoint_name(step: int) -> str:
 
 
 def is_complete(path: str | os.PathLike) -> bool:
-    """True when ``path`` is a finished checkpoint (completion marker present)."""
+    """True when ``path`` is a finished checkpoint (its manifest is present; see
+    `verify_checkpoint` for whether the files match it)."""
     return (Path(path) / COMPLETE_MARKER).is_file()
 
 
-def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete checkpoints under ``directory`` as ``(step, path)``, oldest first."""
+def checkpoint_dirs(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Every ``step-N`` directory under ``directory`` as ``(step, path)``, oldest first,
+    complete or not: the candidates a resume verifies (``.tmp`` and set-aside ones excluded)."""
     root = Path(directory)
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
         match = _NAME_RE.match(child.name)
-        if match and child.is_dir() and is_complete(child):
+        if match and child.is_dir():
             found.append((int(match.group(1)), child))
     return sorted(found)
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``directory`` as ``(step, path)``, oldest first."""
+    return [(step, path) for step, path in checkpoint_dirs(directory) if is_complete(path)]
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
@@ -90,33 +105,7 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return found[-1][1] if found else None
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _local_tensor(value: torch.Tensor) -> torch.Tensor:
-    return value.to_local() if hasattr(value, "to_local") else value
-
-
-def _flatten(tree: Mapping[str, Any] | list, prefix: str = "") -> dict[str, Any]:
+def flatten_tree(tree: Mapping[str, Any] | list, prefix: str = "") -> dict[str, Any]:
     """Flatten nested dicts (and lists holding dicts or tensors) with dotted keys, as DCP does."""
     items = tree.items() if isinstance(tree, Mapping) else enumerate(tree)
     flat: dict[str, Any] = {}
@@ -127,110 +116,15 @@ def _flatten(tree: Mapping[str, Any] | list, prefix: str = "") -> dict[str, Any]
             and any(isinstance(v, (Mapping, torch.Tensor)) for v in value)
         )
         if nested:
-            flat.update(_flatten(value, name + "."))
+            flat.update(flatten_tree(value, name + "."))
         else:
             flat[name] = value
     return flat
 
 
-def _first_non_finite(model_state: Mapping[str, Any]) -> str | None:
-    for name, value in _flatten(model_state).items():
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            if not bool(torch.isfinite(_local_tensor(value)).all()):
-                return name
-    return None
-
-
-def _agree_on(value: Any) -> list[Any]:
-    """Every rank's ``value`` (a list of one on a single process)."""
-    if not _dist_on():
-        return [value]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
-
-
-def _materialise(state: Mapping[str, Any]) -> dict[str, Any]:
+def materialise(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with every Stateful entry replaced by its ``state_dict()``."""
     return {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in state.items()}
-
-
-def save_checkpoint(
-    directory: str | os.PathLike,
-    step: int,
-    state: Mapping[str, Any],
-    *,
-    config_toml: str | None = None,
-    keep_last: int = 0,
-    check_finite_key: str | None = "model",
-) -> Path:
-    """Save the Stateful tree ``state`` as ``<directory>/step-<step>/`` and return its path.
-
-    Collective: every rank must call it. ``config_toml`` is stored beside the shards.
-    ``keep_last`` > 0 deletes all but the newest ``keep_last`` complete checkpoints once the new
-    one is complete. Before anything is written, the entry ``check_finite_key`` (the model) is
-    checked for NaN/inf on every rank and `NonFiniteStateError` names the first bad tensor.
-    On any failure the partial ``.tmp`` directory is removed and earlier checkpoints are intact.
-    """
-    root = Path(directory)
-    final = root / checkpoint_name(step)
-    if is_complete(final):
-        _barrier()
-        return final
-    tree = _materialise(state)
-    if check_finite_key is not None and check_finite_key in tree:
-        bad = [b for b in _agree_on(_first_non_finite(tree[check_finite_key])) if b]
-        if bad:
-            raise NonFiniteStateError(
-                f"refusing to save step {step}: tensor {check_finite_key}.{bad[0]} holds NaN or "
-                "inf values"
-            )
-    tmp = root / (final.name + ".tmp")
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(final, ignore_errors=True)  # an unfinished directory of the same step
-        tmp.mkdir()
-    _barrier()
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-            dcp.save(tree, checkpoint_id=tmp, no_dist=not _dist_on())
-    except BaseException as err:
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(
-            f"saving checkpoint step {step} into {tmp} failed ({type(err).__name__}: {err}); "
-            "the previous checkpoints are untouched"
-        ) from err
-    failure = None
-    if _rank() == 0:
-        failure = _finalise(tmp, final, config_toml, keep_last)
-    failures = [f for f in _agree_on(failure) if f]
-    if failures:
-        raise CheckpointError(
-            f"finalising checkpoint step {step} failed: {failures[0]}; "
-            "the previous checkpoints are untouched"
-        )
-    return final
-
-
-def _finalise(tmp: Path, final: Path, config_toml: str | None, keep_last: int) -> str | None:
-    """Rank 0: add the config, make the checkpoint visible, then prune. Returns an error text."""
-    try:
-        if config_toml is not None:
-            _write_atomic(tmp / CONFIG_FILE, config_toml)
-        _fsync_dir(tmp)
-        os.replace(tmp, final)
-        _write_atomic(final / COMPLETE_MARKER, "")
-        _fsync_dir(final.parent)
-    except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not is_complete(final):
-            shutil.rmtree(final, ignore_errors=True)
-        return f"{type(err).__name__}: {err}"
-    if keep_last > 0:
-        prune_checkpoints(final.parent, keep_last)
-    return None
 
 
 def prune_checkpoints(directory: str | os.PathLike, keep_last: int) -> list[Path]:
@@ -239,10 +133,43 @@ def prune_checkpoints(directory: str | os.PathLike, keep_last: int) -> list[Path
         raise ValueError(f"checkpoint.keep_last must be >= 1 to prune, got {keep_last}")
     doomed = [path for _, path in list_checkpoints(directory)[:-keep_last]]
     for path in doomed:
-        # Remove the marker first so a half-deleted directory is never taken as complete.
+        # Remove the manifest first so a half-deleted directory is never taken as complete.
         (path / COMPLETE_MARKER).unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+def set_aside(path: str | os.PathLike, reason: str) -> Path:
+    """Rename checkpoint ``path`` to ``<name>.<reason>`` (``.<reason>-2``, ... when taken) so
+    that it is never picked again but stays on disk for inspection; return the new path."""
+    path = Path(path)
+    target = path.with_name(f"{path.name}.{reason}")
+    suffix = 2
+    while target.exists():
+        target = path.with_name(f"{path.name}.{reason}-{suffix}")
+        suffix += 1
+    os.replace(path, target)
+    return target
+
+
+def verify_checkpoint(path: str | os.PathLike, group: Any = None) -> list[Damage]:
+    """What is wrong with checkpoint ``path`` against its manifest; empty when it verifies.
+
+    Collective over ``group``: every rank checks the sizes and streams its share of the files
+    through SHA-256, and every rank returns the same list.
+    """
+    path = Path(path)
+    manifest, unreadable = read_manifest(path)
+    if unreadable is not None:
+        return [unreadable]
+    damage = check_sizes(path, manifest)
+    if not damage:
+        names = sorted(manifest["files"])
+        mine = share_of(names, collective.rank(), collective.world_size())
+        local = [(d.file, d.problem) for d in check_hashes(path, manifest, mine)]
+        found = sorted(x for part in collective.gather_all(local, group) for x in part)
+        damage = [Damage(file=f, problem=p) for f, p in found]
+    return damage
 
 
 def read_checkpoint_config(path: str | os.PathLike) -> str:
@@ -265,7 +192,7 @@ def checkpoint_tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ..
 
 def _check_against_metadata(tree: Mapping[str, Any], path: Path) -> None:
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    for name, value in _flatten(tree).items():
+    for name, value in flatten_tree(tree).items():
         if not isinstance(value, torch.Tensor):
             continue
         meta = metadata.get(name)
@@ -284,15 +211,23 @@ def _check_against_metadata(tree: Mapping[str, Any], path: Path) -> None:
             )
 
 
-def load_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
+def load_checkpoint(
+    path: str | os.PathLike, state: Mapping[str, Any], *, verify: bool = True
+) -> None:
     """Load checkpoint ``path`` into the Stateful tree ``state`` in place (collective).
 
-    Every tensor's shape is checked against the checkpoint metadata first; a mismatch raises
-    `CheckpointShapeError` naming the tensor before any value is changed.
+    With ``verify`` (default) the files are checked against the manifest first and a damaged
+    checkpoint raises `CheckpointDamagedError` naming each bad file; pass False only for a
+    checkpoint just verified. Every tensor's shape is checked against the checkpoint metadata
+    next; a mismatch raises `CheckpointShapeError` naming the tensor before any value changes.
     """
     path = Path(path)
     if not is_complete(path):
-        raise CheckpointError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER})")
+    if verify:
+        damage = verify_checkpoint(path)
+        if damage:
+            raise CheckpointDamagedError(path, damage)
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     for key, value in state.items():
         if isinstance(value, RNGState):
@@ -300,11 +235,11 @@ def load_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
             value.available_ranks = {
                 int(k[len(prefix) :]) for k in stored if k.startswith(prefix)
             }
-    tree = _materialise(state)
+    tree = materialise(state)
     _check_against_metadata(tree, path)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-        dcp.load(tree, checkpoint_id=path, no_dist=not _dist_on())
+        dcp.load(tree, checkpoint_id=path, no_dist=not collective.dist_on())
     for key, value in state.items():
         if hasattr(value, "load_state_dict"):
             value.load_state_dict(tree[key])

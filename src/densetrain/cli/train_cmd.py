@@ -70,6 +70,7 @@ def run_train(args: argparse.Namespace) -> int:
         print(job_config_to_toml(job))
         return 0
     check_job_inputs(job)
+    from densetrain.checkpoint import CheckpointError
     from densetrain.train import NonFiniteLossError, train
 
     try:
@@ -77,6 +78,15 @@ def run_train(args: argparse.Namespace) -> int:
     except NonFiniteLossError as err:
         print(f"densetrain train: error: {err}", file=sys.stderr)
         return 3
+    except CheckpointError as err:  # run dir locked, disk full, unwritable checkpoint
+        print(f"densetrain train: error: {err}", file=sys.stderr)
+        return 1
+    if summary.get("preempted"):  # saved after SIGTERM/SIGINT: 128 + signal, as a shell does
+        import signal
+
+        print(f"densetrain train: stopped by {summary['preempted']} after step "
+              f"{summary['steps']}; checkpoint {summary['checkpoint']}", file=sys.stderr)
+        return 128 + int(signal.Signals[summary["preempted"]])
     if os.environ.get("RANK", "0") == "0":  # torchrun's global rank; the process group is gone
         printable = {k: v for k, v in summary.items() if k != "sample"}
         print(json.dumps(printable, indent=2))

@@ -79,8 +79,17 @@ class CheckpointConfig:
         dir: checkpoint directory; empty = ``<logging.run_dir>/checkpoints``.
         interval: save every this many steps.
         keep_last: keep this many most recent checkpoints; 0 keeps all.
-        resume: resume from the latest complete checkpoint in ``dir`` when there is one.
+        resume: resume from the newest checkpoint in ``dir`` whose manifest verifies (a damaged
+            newer one is reported and renamed ``step-N.damaged``).
         save_final: save after the last step whatever the interval.
+        async_save: write checkpoints in the background (``torch.distributed.checkpoint``
+            async save: the state is staged to CPU memory, then written while training goes
+            on; at most one save in flight, visible only once complete).
+        allow_config_change: resume even though the config changes the model or the data
+            order of the checkpoint (refused otherwise, naming each field); the change is
+            logged in ``<run_dir>/run_history.jsonl``.
+        preemption_grace_s: after SIGTERM/SIGINT the run saves a checkpoint and exits; past
+            this many seconds it exits anyway (set it below the scheduler's kill delay).
     """
 
     enabled: bool = True
@@ -89,11 +98,20 @@ class CheckpointConfig:
     keep_last: int = 3
     resume: bool = True
     save_final: bool = True
+    async_save: bool = True
+    allow_config_change: bool = False
+    preemption_grace_s: float = 90.0
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming ``checkpoint.<field>`` when a value is out of range."""
         _int_at_least("checkpoint.interval", self.interval, 1)
         _int_at_least("checkpoint.keep_last", self.keep_last, 0)
+        if not (isinstance(self.preemption_grace_s, (int, float))
+                and math.isfinite(self.preemption_grace_s) and self.preemption_grace_s > 0):
+            raise ValueError(
+                "checkpoint.preemption_grace_s must be a number of seconds > 0, got "
+                f"{self.preemption_grace_s!r}"
+            )
 
 
 @dataclass(kw_only=True)

@@ -150,20 +150,36 @@ class Sampler(Callback):
 
 
 class Checkpointer(Callback):
-    """Saves the Stateful tree every ``interval`` steps and after the last step."""
+    """Saves the Stateful tree every ``interval`` steps and after the last step.
 
-    def __init__(self, *, interval: int, keep_last: int, save_final: bool) -> None:
+    [checkpoint call site] Saving goes through `densetrain.checkpoint.AsyncCheckpointer`
+    (background writes when ``async_save``; at most one in flight); the final save and the save
+    on a preemption signal (`on_preempt`) are waited for; `close` (called by `train` also after
+    an exception) waits for a save still in flight.
+    """
+
+    def __init__(self, *, interval: int, keep_last: int, save_final: bool,
+                 async_save: bool = False, timeout_s: float = 600.0) -> None:
         self.interval = interval
         self.keep_last = keep_last
         self.save_final = save_final
-        self.last_checkpoint = ""
+        self.async_save = async_save
+        self.timeout_s = timeout_s
+        self.writer: Any = None
 
-    def _save(self, parts: RunParts, progress: Progress) -> None:
-        from densetrain.checkpoint import save_checkpoint
+    def on_train_start(self, parts: RunParts, progress: Progress) -> None:
+        """Open the writer for the run's checkpoint directory."""
+        from densetrain.checkpoint.async_save import AsyncCheckpointer
 
-        path = save_checkpoint(parts.checkpoint_dir, progress.step, parts.state_tree(progress),
-                               config_toml=parts.config_toml, keep_last=self.keep_last)
-        self.last_checkpoint = str(path)
+        self.writer = AsyncCheckpointer(
+            parts.checkpoint_dir, config_toml=parts.config_toml, keep_last=self.keep_last,
+            async_save=self.async_save, timeout_s=self.timeout_s,
+        )
+
+    def _save(self, parts: RunParts, progress: Progress, *, wait: bool = False) -> None:
+        self.writer.save(progress.step, parts.state_tree(progress))
+        if wait:
+            self.writer.wait()
 
     def on_step_end(self, parts: RunParts, progress: Progress, report: StepReport) -> None:
         """Save on the cadence."""
@@ -171,13 +187,26 @@ class Checkpointer(Callback):
             self._save(parts, progress)
 
     def on_train_end(self, parts: RunParts, progress: Progress) -> None:
-        """Save the final state (unless this step was just saved)."""
-        if self.save_final and not self.last_checkpoint.endswith(f"{progress.step:08d}"):
-            self._save(parts, progress)
+        """Save the final state (a step just saved is not saved again) and wait for it."""
+        if self.save_final:
+            self._save(parts, progress, wait=True)
+        else:
+            self.writer.wait()
+
+    def on_preempt(self, parts: RunParts, progress: Progress) -> None:
+        """A stop signal arrived: save this step and wait until it is complete."""
+        self._save(parts, progress, wait=True)
 
     def summary(self) -> dict[str, Any]:
-        """The newest checkpoint written by this process."""
-        return {"checkpoint": self.last_checkpoint}
+        """The newest complete checkpoint written by this process."""
+        last = self.writer.last_path if self.writer is not None else None
+        return {"checkpoint": str(last) if last is not None else ""}
+
+    def close(self) -> None:
+        """Wait for a save still in flight (also after an exception)."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 
 class LossPlot(Callback):

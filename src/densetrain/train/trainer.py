@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from densetrain.checkpoint import latest_checkpoint, load_checkpoint
+from densetrain.checkpoint import load_checkpoint
 from densetrain.config.job import JobConfig
 from densetrain.optim.interface import layout_of_saved_keys
 from densetrain.parallel.distributed import collective_step
@@ -50,7 +50,9 @@ def default_callbacks(job: JobConfig) -> list[Callback]:
     if job.checkpoint.enabled:
         callbacks.append(Checkpointer(interval=job.checkpoint.interval,
                                       keep_last=job.checkpoint.keep_last,
-                                      save_final=job.checkpoint.save_final))
+                                      save_final=job.checkpoint.save_final,
+                                      async_save=job.checkpoint.async_save,
+                                      timeout_s=job.parallel.collective_timeout_s))
     if job.logging.plot:
         callbacks.append(LossPlot())
     return callbacks
@@ -62,8 +64,10 @@ class RunLoop:
     totals (throughput is never computed from tokens another process trained)."""
 
     def __init__(self, parts: RunParts, progress: Progress, evaluator: Evaluator,
-                 callbacks: Sequence[Callback]) -> None:
+                 callbacks: Sequence[Callback], stop: Any = None) -> None:
         self.parts = parts
+        self.stop = stop
+        """A `densetrain.checkpoint.PreemptionHandler` asked after each step (or None)."""
         self.progress = progress
         self.evaluator = evaluator
         self.callbacks = list(callbacks)
@@ -86,6 +90,12 @@ class RunLoop:
                 self.last_val_loss = report.eval.get("val_loss", self.last_val_loss)
             for callback in self.callbacks:
                 callback.on_step_end(parts, progress, report)
+            # [checkpoint call site] preemption: a SIGTERM/SIGINT on any rank -> save, stop.
+            if self.stop is not None and self.stop.should_stop():
+                for callback in self.callbacks:
+                    if isinstance(callback, Checkpointer):
+                        callback.on_preempt(parts, progress)
+                return
         if steps_run == 0 and self.evaluator.interval > 0:  # a resumed, already finished run
             self.last_val_loss = self.evaluator.evaluate(parts).get("val_loss", math.nan)
         for callback in self.callbacks:
@@ -137,13 +147,23 @@ def check_optimizer_layout(path: Path, parts: RunParts) -> None:
         )
 
 
-def resume(parts: RunParts, progress: Progress) -> str:
-    """Load the latest complete checkpoint into the run (if any); returns its path or ""."""
-    latest = latest_checkpoint(parts.checkpoint_dir)
+def resume(parts: RunParts, progress: Progress, *, allow_config_change: bool = False) -> str:
+    """Load the newest checkpoint that verifies into the run (if any); returns its path or "".
+
+    [checkpoint call site] Damaged newer checkpoints are reported and set aside
+    (`select_resume_checkpoint`); the saved config is compared with the run's first
+    (`check_resume_config`: a changed model or data order is refused unless
+    ``checkpoint.allow_config_change``).
+    """
+    from densetrain.checkpoint.resume import check_resume_config, select_resume_checkpoint
+
+    latest = select_resume_checkpoint(parts.checkpoint_dir, run_dir=parts.run_dir)
     if latest is None:
         return ""
+    check_resume_config(latest, parts.config_toml, allow_change=allow_config_change,
+                        run_dir=parts.run_dir, vocab_size=parts.model_cfg.vocab_size)
     check_optimizer_layout(latest, parts)
-    load_checkpoint(latest, parts.state_tree(progress))
+    load_checkpoint(latest, parts.state_tree(progress), verify=False)  # verified just above
     parts.optimizer.after_weights_loaded()
     if parts.is_main:
         print(f"resumed from {latest} (step {progress.step})", file=sys.stderr)
@@ -197,31 +217,74 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
 def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dict[str, Any]:
     """Run the training job ``job`` and return its summary dict.
 
-    Resumes from the latest complete checkpoint when ``checkpoint.resume`` is on. ``callbacks``
-    are added after the default ones (logging, checkpoints, sample, plot).
+    Holds the run directory's lock for the whole run (a second run there fails at once).
+    Resumes from the newest checkpoint that verifies when ``checkpoint.resume`` is on (damaged
+    ones are set aside; a changed model or data order is refused). On SIGTERM/SIGINT it saves a
+    checkpoint and returns early with ``summary["preempted"]`` set to the signal's name (no
+    ``summary.json``: the run is not finished). ``callbacks`` are added after the default ones
+    (logging, checkpoints, sample, plot).
     """
     import torch.distributed as dist
 
-    from densetrain.train.setup import build_run
+    from densetrain.checkpoint.lock import acquire_run_lock
+    from densetrain.checkpoint.preemption import PreemptionHandler
+    from densetrain.train.setup import _init_distributed, build_run
 
     owns_process_group = not (dist.is_available() and dist.is_initialized())
     all_callbacks = default_callbacks(job) + list(callbacks or [])
+    lock = None
+    succeeded = False
     try:
+        # [checkpoint call site] one run per directory, before any work (collective).
+        _init_distributed(job)
+        lock = acquire_run_lock(job.logging.run_dir)
         parts, progress = build_run(job)
         resumed_from = ""
         if job.checkpoint.resume and job.checkpoint.enabled:
-            resumed_from = resume(parts, progress)
-        loop = RunLoop(parts, progress,
-                       Evaluator(interval=job.eval.interval, num_batches=job.eval.num_batches),
-                       all_callbacks)
-        loop.run()
+            resumed_from = resume(
+                parts, progress, allow_config_change=job.checkpoint.allow_config_change)
+        # [checkpoint call site] SIGTERM/SIGINT -> save and stop, within the grace time.
+        with PreemptionHandler(grace_s=job.checkpoint.preemption_grace_s,
+                               timeout_s=job.parallel.collective_timeout_s) as preemption:
+            loop = RunLoop(parts, progress,
+                           Evaluator(interval=job.eval.interval,
+                                     num_batches=job.eval.num_batches),
+                           all_callbacks, stop=preemption)
+            loop.run()
         summary = summarize(parts, progress, loop, all_callbacks)
         summary["resumed_from"] = resumed_from
-        if parts.is_main:
+        if preemption.requested:
+            summary["preempted"] = preemption.signal_name
+        elif parts.is_main:
             write_summary(parts.run_dir, summary)
+        succeeded = True
     finally:
         for callback in all_callbacks:
-            callback.close()
-        if owns_process_group and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+            callback.close()  # the Checkpointer waits for a save still in flight
+        if lock is not None:
+            lock.release()
+        if owns_process_group:
+            _shutdown_process_group(succeeded)
     return summary
+
+
+def _shutdown_process_group(succeeded: bool) -> None:
+    """Destroy the process groups this process created, in an order that is safe at exit.
+
+    [checkpoint call site] After a successful run every rank first waits for the others (a
+    barrier), so no rank tears down its connections while a peer still writes its summary or
+    plot (a peer that exits early makes torchrun stop the others mid-write). The checkpoint
+    threads are already joined (`Checkpointer.close`). After an error there is no barrier (a
+    peer may be dead). Then every group is destroyed and the objects that still refer to them
+    are collected while the interpreter is fully alive, not during its finalisation.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if succeeded:
+        dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()

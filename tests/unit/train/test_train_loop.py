@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from densetrain.checkpoint import CheckpointShapeError, latest_checkpoint, list_checkpoints
+from densetrain.checkpoint.resume import ConfigChangeError
 from densetrain.train import Callback, NonFiniteLossError, read_metrics, train
 
 REQUIRED_METRICS = {"step", "loss", "lr", "tokens", "tokens_per_s", "mfu"}
@@ -99,8 +100,11 @@ def test_resume_from_another_model_shape_names_the_tensor(make_job) -> None:
         "--training.steps=4", "--model.dim=96", "--model.embed_dim=96", "--model.head_dim=24",
         "--eval.interval=0",
     )
+    with pytest.raises(ConfigChangeError, match=r"model\.dim: 64 -> 96"):
+        train(wider)  # the saved config.toml is compared first
+    wider.checkpoint.allow_config_change = True
     with pytest.raises(CheckpointShapeError, match=r"tok_embeddings\.weight.*64.*96"):
-        train(wider)
+        train(wider)  # told to go on, the shapes are still checked before any value changes
 
 
 def test_cli_train_runs_with_overrides(make_job, tiny_overrides, capsys, tmp_path) -> None:

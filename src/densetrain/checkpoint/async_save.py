@@ -1,0 +1,144 @@
+"""Checkpoints written in the background: `torch.distributed.checkpoint.async_save`.
+
+`AsyncCheckpointer.save` stages the state to CPU memory (DCP's default stager copies every
+tensor, so training may change the originals at once) and returns; DCP writes the shards on its
+own thread, and a second thread of ours then seals the checkpoint exactly as a synchronous save
+does (config, manifest, rename: `saving.seal_checkpoint`), so a background save is visible only
+when complete and verified by the same manifest. At most one save is in flight: the next
+`save` first waits for the previous one. `wait()` blocks until the save in flight is sealed and
+re-raises its failure; the trainer waits after the final save and before exiting on a signal.
+
+The background collectives (DCP's plan/finish and the seal) run on a dedicated gloo group, never
+on the training group, so they cannot interleave with the training collectives. With
+``async_save=False`` the same object saves synchronously, so the caller has one interface.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from densetrain.checkpoint import collective
+from densetrain.checkpoint.manager import CheckpointError, checkpoint_name, materialise
+from densetrain.checkpoint.saving import (
+    begin_save,
+    check_finite,
+    describe_write_error,
+    seal_checkpoint,
+    write_shards,
+)
+
+
+def _own_objects(tree: Any) -> Any:
+    """``tree`` with its containers and non-tensor leaves copied (tensors are staged by DCP),
+    so that a later change to trainer state cannot leak into a save still being written."""
+    if isinstance(tree, Mapping):
+        return {k: _own_objects(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_own_objects(v) for v in tree]
+    if isinstance(tree, torch.Tensor):
+        return tree
+    return copy.deepcopy(tree)
+
+
+class AsyncCheckpointer:
+    """Saves of one checkpoint directory, in the background (``async_save``) or not.
+
+    ``timeout_s`` bounds each background collective (the training collective timeout).
+    ``stall_seconds`` records, per save, how long `save` blocked the caller.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, config_toml: str | None,
+                 keep_last: int, async_save: bool = True, timeout_s: float = 600.0) -> None:
+        self.root = Path(directory)
+        self.config_toml = config_toml
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.group = collective.new_cpu_group(timeout_s) if async_save else None
+        self._executor = ThreadPoolExecutor(1, "checkpoint-seal") if async_save else None
+        self._pending: Future | None = None
+        self.last_path: Path | None = None
+        self.stall_seconds: list[float] = []
+
+    def save(self, step: int, state: Mapping[str, Any]) -> None:
+        """Save the Stateful tree ``state`` as ``step-<step>`` (collective). Asynchronous: returns
+        once the state is staged; a failure of the previous save is raised here."""
+        start = time.perf_counter()
+        self.wait()
+        if self.last_path is not None and self.last_path.name == checkpoint_name(step):
+            return
+        tree = materialise(state)
+        check_finite(tree, "model", step)
+        tmp = begin_save(self.root, step)
+        if tmp is None:
+            self.last_path = self.root / checkpoint_name(step)
+        elif not self.async_save:
+            write_shards(tree, tmp, step)
+            self.last_path = self._seal(tmp, step)
+        else:
+            self._start(_own_objects(tree), tmp, step)
+        self.stall_seconds.append(time.perf_counter() - start)
+
+    def _start(self, tree: dict[str, Any], tmp: Path, step: int) -> None:
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+                written = dcp.async_save(tree, checkpoint_id=tmp, process_group=self.group,
+                                         no_dist=not collective.dist_on())
+        except BaseException as err:
+            message = describe_write_error(err, self.root, step)
+            if collective.rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(message) from err
+        assert self._executor is not None
+        self._pending = self._executor.submit(self._finish, written, tmp, step)
+
+    def _finish(self, written: Future, tmp: Path, step: int) -> Path:
+        """Background: wait for DCP's write, then seal (on the checkpoint group)."""
+        try:
+            written.result()
+        except BaseException as err:
+            message = describe_write_error(err, self.root, step)
+            if collective.rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(message) from err
+        return self._seal(tmp, step)
+
+    def _seal(self, tmp: Path, step: int) -> Path:
+        return seal_checkpoint(tmp, step=step, config_toml=self.config_toml,
+                               keep_last=self.keep_last, group=self.group)
+
+    @property
+    def in_flight(self) -> bool:
+        """True while a background save has not been sealed yet."""
+        return self._pending is not None and not self._pending.done()
+
+    def wait(self) -> Path | None:
+        """Block until the save in flight is sealed; return the newest checkpoint written (or
+        None). Raises `CheckpointError` when that save failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.last_path = pending.result()
+        return self.last_path
+
+    def close(self) -> None:
+        """Wait for the save in flight (reporting, not raising, its failure) and stop."""
+        try:
+            self.wait()
+        except CheckpointError as err:
+            print(f"the last checkpoint could not be completed: {err}", file=sys.stderr)
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None

@@ -1,0 +1,190 @@
+"""Resume safely: pick the newest checkpoint that verifies, and refuse a changed model or data.
+
+`select_resume_checkpoint` walks the ``step-N`` directories newest first; one whose files do
+not match its manifest is reported (which file, what is wrong), renamed to ``step-N.damaged``
+(never deleted) and skipped, so a restart after damage continues from the previous good one by
+itself. `check_resume_config` compares the checkpoint's saved ``config.toml`` with the run's:
+a change to a field that alters the model or the order of the training data is refused naming
+each field with its old and new value, unless ``checkpoint.allow_config_change`` is set; then the
+change is appended to the run's history file (``run_history.jsonl``). Steps, intervals, logging,
+optimizer settings and the parallel layout may change freely (DCP reshards).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from densetrain.checkpoint import collective
+from densetrain.checkpoint.manager import (
+    CONFIG_FILE,
+    checkpoint_dirs,
+    set_aside,
+    verify_checkpoint,
+)
+
+HISTORY_FILE = "run_history.jsonl"
+
+DATA_ORDER_FIELDS = frozenset({
+    "data.datasets", "data.weights", "data.seq_len", "data.seed", "data.document_masking",
+    "data.tokenizer", "data.default_vocab_size", "data.default_max_files",
+    "data.default_val_fraction", "training.global_batch_size", "training.global_batch_tokens",
+    "training.seed", "schedule.batch_ramp_start", "schedule.batch_ramp_tokens",
+    "schedule.batch_ramp_increment",
+})
+"""Fields outside ``[model]`` that change which tokens a step sees (or the run's seed)."""
+
+MODEL_FIELDS_FREE_ON_RESUME = frozenset({
+    "model.init_std", "model.scale_residual_init", "model.dropout", "model.z_loss_coef",
+})
+"""Model fields that only act at initialisation or as training regularisers."""
+
+
+class ConfigChangeError(ValueError):
+    """The run's config changes the model or the data order of the checkpoint it resumes."""
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class FieldChange:
+    """One guarded config field whose value differs between the checkpoint and the run."""
+
+    field: str
+    old: Any
+    new: Any
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.old!r} -> {self.new!r}"
+
+
+def append_history(run_dir: str | os.PathLike, event: dict[str, Any]) -> None:
+    """Append one JSON line (with a UTC time) to ``<run_dir>/run_history.jsonl`` (rank 0 only)."""
+    if collective.rank() != 0:
+        return
+    line = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **event})
+    path = Path(run_dir) / HISTORY_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # One short line in a single O_APPEND write: a reader sees the whole line or none of it.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode("utf-8"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def select_resume_checkpoint(checkpoint_dir: str | os.PathLike, *,
+                             run_dir: str | os.PathLike | None = None,
+                             group: Any = None) -> Path | None:
+    """The newest checkpoint under ``checkpoint_dir`` whose manifest verifies, or None.
+
+    Collective over ``group`` (every rank gets the same answer). Each damaged newer checkpoint is
+    reported on stderr, renamed to ``<name>.damaged`` by rank 0 and noted in the run history.
+    """
+    for step, path in reversed(checkpoint_dirs(checkpoint_dir)):
+        damage = verify_checkpoint(path, group)
+        if not damage:
+            return path
+        moved = None
+        if collective.rank() == 0:
+            moved = set_aside(path, "damaged")
+            details = "; ".join(map(str, damage))
+            print(f"checkpoint {path} is damaged ({details}); set aside as {moved.name}, "
+                  "trying the previous one", file=sys.stderr)
+            if run_dir is not None:
+                append_history(run_dir, {"event": "checkpoint_set_aside", "step": step,
+                                         "checkpoint": str(path), "moved_to": str(moved),
+                                         "damage": [str(d) for d in damage]})
+        collective.barrier(group)
+    return None
+
+
+def _flat(value: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(value, dict):
+        flat: dict[str, Any] = {}
+        for key, item in value.items():
+            flat.update(_flat(item, f"{prefix}.{key}"))
+        return flat
+    return {prefix: list(value) if isinstance(value, tuple) else value}
+
+
+def _resolved_fields(config_toml: str, vocab_size: int | None) -> dict[str, Any]:
+    """Every field of a job config as ``section.field`` -> value, the model fully resolved
+    (preset plus overrides, so that a preset change that alters nothing passes)."""
+    from densetrain.config import job_config_from_dict
+
+    job = job_config_from_dict(tomllib.loads(config_toml), source="config", validate=False)
+    fields: dict[str, Any] = {}
+    for name, section in job.sections().items():
+        if name != "model":
+            fields.update(_flat(dataclasses.asdict(section), name))
+    try:
+        model = dataclasses.asdict(job.build_model_config(vocab_size))
+    except ValueError:
+        model = dataclasses.asdict(job.model)  # unresolvable: compare the section as written
+    model.pop("extra", None)
+    fields.update(_flat(model, "model"))
+    return fields
+
+
+def _guarded(name: str) -> bool:
+    if name.startswith("model."):
+        return name not in MODEL_FIELDS_FREE_ON_RESUME
+    return name in DATA_ORDER_FIELDS
+
+
+def config_changes(saved_toml: str, current_toml: str,
+                   vocab_size: int | None = None) -> list[FieldChange]:
+    """The guarded fields (model, data order) whose values differ, sorted by name."""
+    saved = _resolved_fields(saved_toml, vocab_size)
+    current = _resolved_fields(current_toml, vocab_size)
+    names = sorted(n for n in set(saved) | set(current) if _guarded(n))
+    return [FieldChange(field=n, old=saved.get(n), new=current.get(n))
+            for n in names if saved.get(n) != current.get(n)]
+
+
+def check_resume_config(checkpoint: Path, current_toml: str, *, allow_change: bool,
+                        run_dir: str | os.PathLike, vocab_size: int | None = None
+                        ) -> list[FieldChange]:
+    """Refuse to resume ``checkpoint`` when the run changes its model or data order.
+
+    Raises `ConfigChangeError` naming every changed field with old and new value, unless
+    ``allow_change``; then the changes are appended to the run history and returned.
+    """
+    saved_path = checkpoint / CONFIG_FILE
+    if not saved_path.is_file():
+        return []
+    try:
+        changes = config_changes(saved_path.read_text(encoding="utf-8"), current_toml,
+                                 vocab_size)
+    except (ValueError, tomllib.TOMLDecodeError) as err:
+        if allow_change:
+            return []
+        raise ConfigChangeError(
+            f"the config saved in {saved_path} cannot be compared with this run's ({err}); "
+            "pass --checkpoint.allow_config_change=true to resume anyway"
+        ) from None
+    if not changes:
+        return []
+    listed = "; ".join(map(str, changes))
+    if not allow_change:
+        raise ConfigChangeError(
+            f"refusing to resume {checkpoint}: this run changes the model or the data order "
+            f"({listed}). Restore those values, start a new run in another directory (or with "
+            "training.init_from for the weights only), or pass "
+            "--checkpoint.allow_config_change=true if you mean it (the change is then logged "
+            f"in {HISTORY_FILE})"
+        )
+    append_history(run_dir, {"event": "config_override", "checkpoint": str(checkpoint),
+                             "changes": [{"field": c.field, "old": c.old, "new": c.new}
+                                         for c in changes]})
+    if collective.rank() == 0:
+        print(f"resuming {checkpoint} with a changed config (checkpoint.allow_config_change): "
+              f"{listed}", file=sys.stderr)
+    return changes
