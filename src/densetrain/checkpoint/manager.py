@@ -22,13 +22,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from densetrain.checkpoint import collective
@@ -40,7 +38,9 @@ from densetrain.checkpoint.manifest import (
     read_manifest,
     share_of,
 )
+from densetrain.checkpoint.safe_pickle import read_dcp_metadata, safe_dcp_load
 from densetrain.checkpoint.state import RNGState
+from densetrain.errors import DamagedFileError
 
 COMPLETE_MARKER = MANIFEST_FILE
 """The file whose presence makes a ``step-N`` directory a complete checkpoint."""
@@ -60,8 +60,9 @@ class NonFiniteStateError(CheckpointError):
     """A model tensor holds NaN or inf; such a state is never saved."""
 
 
-class CheckpointDamagedError(CheckpointError):
-    """A checkpoint's files do not match its manifest; ``damage`` lists each bad file."""
+class CheckpointDamagedError(CheckpointError, DamagedFileError):
+    """A checkpoint's files do not match its manifest; ``damage`` lists each bad file (an input
+    error to the CLI: one message naming the files, exit 2)."""
 
     def __init__(self, path: Path, damage: list[Damage]) -> None:
         self.path = path
@@ -182,7 +183,7 @@ def read_checkpoint_config(path: str | os.PathLike) -> str:
 
 def checkpoint_tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """Global shapes of every tensor stored in checkpoint ``path`` (from DCP metadata)."""
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = read_dcp_metadata(path)
     return {
         key: tuple(meta.size)
         for key, meta in metadata.state_dict_metadata.items()
@@ -191,7 +192,7 @@ def checkpoint_tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ..
 
 
 def _check_against_metadata(tree: Mapping[str, Any], path: Path) -> None:
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = read_dcp_metadata(path).state_dict_metadata
     for name, value in flatten_tree(tree).items():
         if not isinstance(value, torch.Tensor):
             continue
@@ -228,7 +229,7 @@ def load_checkpoint(
         damage = verify_checkpoint(path)
         if damage:
             raise CheckpointDamagedError(path, damage)
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stored = read_dcp_metadata(path).state_dict_metadata
     for key, value in state.items():
         if isinstance(value, RNGState):
             prefix = f"{key}.rank"
@@ -237,9 +238,9 @@ def load_checkpoint(
             }
     tree = materialise(state)
     _check_against_metadata(tree, path)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-        dcp.load(tree, checkpoint_id=path, no_dist=not collective.dist_on())
+    # Restricted metadata unpickler and weights-only non-tensor values: loading never runs code
+    # from the checkpoint's pickles (checkpoint/safe_pickle.py).
+    safe_dcp_load(tree, path)
     for key, value in state.items():
         if hasattr(value, "load_state_dict"):
             value.load_state_dict(tree[key])

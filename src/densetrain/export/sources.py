@@ -34,6 +34,11 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from densetrain.checkpoint.safe_pickle import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    read_dcp_metadata,
+)
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer
 from densetrain.models.config import ModelConfig
 from densetrain.models.hf.files import TensorSpec
@@ -109,7 +114,7 @@ def _checkpoint_source(checkpoint: Path, tokenizer: Tokenizer | None) -> ExportS
                 "the run trained with)"
             )
         tokenizer = load_tokenizer(path)
-    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    metadata = read_dcp_metadata(checkpoint).state_dict_metadata
     specs = {
         key[len(_MODEL_PREFIX):]: TensorSpec(tuple(meta.size), meta.properties.dtype)
         for key, meta in metadata.items()
@@ -125,7 +130,8 @@ def _checkpoint_source(checkpoint: Path, tokenizer: Tokenizer | None) -> ExportS
         # wrote them, each into its preallocated full tensor (and says so in a warning).
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-            dcp.load(wanted, storage_reader=dcp.FileSystemReader(str(checkpoint)), no_dist=True)
+            dcp.load(wanted, storage_reader=SafeFileSystemReader(str(checkpoint)),
+                     planner=SafeLoadPlanner(), no_dist=True)
         return {name: wanted[_MODEL_PREFIX + name] for name in names}
 
     return ExportSource(path=checkpoint, kind="checkpoint",

@@ -133,9 +133,9 @@ class RunLoop:
 def check_optimizer_layout(path: Path, parts: RunParts) -> None:
     """Refuse a checkpoint whose optimizer state was saved in another layout than this run's
     optimizer uses (ZeRO-1/2 states are this rank's chunks and are not resharded on load)."""
-    import torch.distributed.checkpoint as dcp
+    from densetrain.checkpoint.safe_pickle import read_dcp_metadata
 
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stored = read_dcp_metadata(path).state_dict_metadata
     saved = layout_of_saved_keys(k[len("optim."):] for k in stored if k.startswith("optim."))
     now = parts.optimizer.checkpoint_layout
     if saved != now:
