@@ -23,12 +23,12 @@ import torch
 
 from densetrain.checkpoint import (
     ModelState,
-    OptimizerState,
     TrainerCounters,
     load_checkpoint,
     verify_checkpoint,
 )
 from densetrain.checkpoint.async_save import AsyncCheckpointer
+from densetrain.optim.interface import StandardOptimizer
 
 
 def _model(params: float) -> torch.nn.Module:
@@ -38,7 +38,7 @@ def _model(params: float) -> torch.nn.Module:
 
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict:
-    return {"model": ModelState(model), "optim": OptimizerState(model, optimizer),
+    return {"model": ModelState(model), "optim": StandardOptimizer(model, optimizer),
             "trainer": TrainerCounters(step=step)}
 
 

@@ -51,6 +51,17 @@ def _texts(files: list[Path]) -> Iterator[str]:
         yield decode_utf8(path.read_bytes(), stats)
 
 
+def default_corpus_dir(
+    *, cache_dir: str = "", vocab_size: int = 8192, max_files: int = 0, val_fraction: float = 0.02
+) -> Path:
+    """Where the default corpus of these settings is (or will be) prepared; nothing is made."""
+    version = f"py{sys.version_info.major}{sys.version_info.minor}"
+    # The shard format is part of the name: a cache written by an older format is not reused.
+    tag = FORMAT.rsplit("-", 1)[-1]
+    name = f"stdlib-{version}-v{vocab_size}-f{max_files or 'all'}-val{val_fraction:g}-{tag}"
+    return default_cache_dir(cache_dir) / name
+
+
 def ensure_default_corpus(
     *,
     cache_dir: str = "",
@@ -60,12 +71,9 @@ def ensure_default_corpus(
     progress: bool = False,
 ) -> Path:
     """Directory of the prepared default corpus, preparing it (and its tokenizer) if needed."""
-    version = f"py{sys.version_info.major}{sys.version_info.minor}"
-    # The shard format is part of the name: a cache written by an older format is not reused.
-    tag = FORMAT.rsplit("-", 1)[-1]
-    name = f"stdlib-{version}-v{vocab_size}-f{max_files or 'all'}-val{val_fraction:g}-{tag}"
-    cache = default_cache_dir(cache_dir)
-    out = cache / name
+    out = default_corpus_dir(cache_dir=cache_dir, vocab_size=vocab_size, max_files=max_files,
+                             val_fraction=val_fraction)
+    cache, name = out.parent, out.name
     if (out / META_FILE).is_file():
         return out
     cache.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,6 @@ from the safetensors files, so memory never holds the whole model.
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,12 +72,12 @@ def _find_checkpoint(path: Path) -> Path | None:
 
 def _default_corpus_tokenizer(data) -> Path:
     """Where ``ensure_default_corpus`` put the default corpus's tokenizer for ``data``."""
-    from densetrain.data.default_corpus import default_cache_dir
+    from densetrain.data.default_corpus import default_corpus_dir
 
-    version = f"py{sys.version_info.major}{sys.version_info.minor}"
-    name = (f"stdlib-{version}-v{data.default_vocab_size}-f{data.default_max_files or 'all'}"
-            f"-val{data.default_val_fraction:g}")
-    return default_cache_dir(data.cache_dir) / name / "tokenizer.json"
+    directory = default_corpus_dir(cache_dir=data.cache_dir, vocab_size=data.default_vocab_size,
+                                   max_files=data.default_max_files,
+                                   val_fraction=data.default_val_fraction)
+    return directory / "tokenizer.json"
 
 
 def job_tokenizer_path(job) -> Path:

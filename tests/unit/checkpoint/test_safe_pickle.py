@@ -15,7 +15,6 @@ import torch.distributed.checkpoint as dcp
 
 from densetrain.checkpoint import (
     ModelState,
-    OptimizerState,
     RNGState,
     TrainerCounters,
     load_checkpoint,
@@ -28,6 +27,7 @@ from densetrain.checkpoint.safe_pickle import (
 )
 from densetrain.checkpoint.state import capture_rng_state, restore_rng_state
 from densetrain.errors import DamagedFileError, UnsafeFileError
+from densetrain.optim.interface import StandardOptimizer
 
 
 class Payload:
@@ -51,7 +51,7 @@ def _saved(tmp_path, extra: dict | None = None):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(3, 4)).sum().backward()
     optimizer.step()
-    state = {"model": ModelState(model), "optim": OptimizerState(model, optimizer),
+    state = {"model": ModelState(model), "optim": StandardOptimizer(model, optimizer),
              "trainer": TrainerCounters(step=5, tokens=640), "rng": RNGState(), **(extra or {})}
     return save_checkpoint(tmp_path / "ckpt", 5, state), model, optimizer
 
@@ -71,7 +71,7 @@ def test_real_checkpoint_loads_through_the_restricted_readers(tmp_path):
     fresh(torch.randn(3, 4)).sum().backward()
     fresh_opt.step()
     counters = TrainerCounters()
-    state = {"model": ModelState(fresh), "optim": OptimizerState(fresh, fresh_opt),
+    state = {"model": ModelState(fresh), "optim": StandardOptimizer(fresh, fresh_opt),
              "trainer": counters}
     tree = {k: v.state_dict() for k, v in state.items()}
     safe_dcp_load(tree, path)
