@@ -7,12 +7,30 @@ bad job fails in a second with a message naming the fields involved.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from densetrain.config.sections import TrainingConfig
+from densetrain.data.config import DataConfig
+from densetrain.optim.config import ScheduleConfig
+from densetrain.parallel.config import ParallelConfig
 
-if TYPE_CHECKING:
-    from densetrain.config.job import JobConfig
+
+class JobSections(Protocol):
+    """What the rules read of a job: its sections and the two builders that combine them
+    (`densetrain.config.job.JobConfig` is one). The rules take this view rather than the class,
+    so that this module does not depend on the module that calls it."""
+
+    model: Any
+    data: DataConfig
+    training: TrainingConfig
+    schedule: ScheduleConfig
+    parallel: ParallelConfig
+
+    def sections(self) -> dict[str, Any]: ...
+
+    def batch_size_schedule(self, dp_size: int = 1) -> Any: ...
+
+    def build_model_config(self, vocab_size: int | None = None) -> Any: ...
 
 # Stands in for the tokenizer's vocabulary when a model config is built only to validate it
 # (it replaces only placeholder vocabularies: tiny presets, or no preset).
@@ -22,7 +40,7 @@ _DEFAULT_GLOBAL_BATCH = next(
 )
 
 
-def data_parallel_size(job: JobConfig, world_size: int | None) -> int:
+def data_parallel_size(job: JobSections, world_size: int | None) -> int:
     """dp_replicate × dp_shard of ``job.parallel`` on ``world_size`` ranks (dp_shard -1 = rest).
 
     With ``world_size`` None (a config inspected away from its cluster) a ``dp_shard`` of -1
@@ -47,7 +65,7 @@ def data_parallel_size(job: JobConfig, world_size: int | None) -> int:
     return par.dp_replicate * par.dp_shard
 
 
-def resolve_derived(job: JobConfig, dp_size: int = 1) -> None:
+def resolve_derived(job: JobSections, dp_size: int = 1) -> None:
     """Fill ``training.global_batch_size`` and ``schedule.warmup_steps`` from their token forms.
 
     ``global_batch_tokens`` stays (the batch follows ``data.seq_len``); ``warmup_tokens`` is
@@ -58,7 +76,7 @@ def resolve_derived(job: JobConfig, dp_size: int = 1) -> None:
     _resolve_warmup(job, dp_size)
 
 
-def _resolve_global_batch(job: JobConfig) -> None:
+def _resolve_global_batch(job: JobSections) -> None:
     training = job.training
     if training.global_batch_tokens <= 0:
         return
@@ -78,7 +96,7 @@ def _resolve_global_batch(job: JobConfig) -> None:
     training.global_batch_size = derived
 
 
-def _resolve_warmup(job: JobConfig, dp_size: int) -> None:
+def _resolve_warmup(job: JobSections, dp_size: int) -> None:
     schedule = job.schedule
     if schedule.warmup_tokens <= 0:
         return
@@ -93,7 +111,7 @@ def _resolve_warmup(job: JobConfig, dp_size: int) -> None:
 
 
 def validate_job(
-    job: JobConfig,
+    job: JobSections,
     *,
     world_size: int | None = 1,
     dp_size: int | None = None,
@@ -126,7 +144,7 @@ def validate_job(
         job.build_model_config(vocab_size=_VALIDATION_VOCAB)
 
 
-def _check_batch(job: JobConfig, dp_size: int) -> None:
+def _check_batch(job: JobSections, dp_size: int) -> None:
     training, schedule = job.training, job.schedule
     unit = training.micro_batch_size * dp_size
     if training.global_batch_size % unit:
@@ -159,7 +177,7 @@ def _check_batch(job: JobConfig, dp_size: int) -> None:
         )
 
 
-def _check_schedule_fits_run(job: JobConfig) -> None:
+def _check_schedule_fits_run(job: JobSections) -> None:
     schedule, steps = job.schedule, job.training.steps
     if schedule.warmup_steps >= steps:
         raise ValueError(

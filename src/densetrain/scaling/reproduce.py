@@ -30,13 +30,12 @@ def palm_540b_params() -> float:
     return float(param_counts(palm_540b_config()).total)
 
 
-def palm_540b_mfu() -> float:
+def palm_540b_mfu(tokens_per_s: float, chips: int, peak_flops: float) -> float:
     """MFU of PaLM's published throughput with densetrain's FLOPs per token (PaLM App. B)."""
     from densetrain.models.sizing import flops_per_token_palm
-    from densetrain.scaling import references as ref
 
     per_token = flops_per_token_palm(palm_540b_config(), 2048)
-    return per_token * ref.PALM_TOKENS_PER_S / (ref.PALM_CHIPS * ref.TPU_V4_PEAK_FLOPS)
+    return per_token * tokens_per_s / (chips * peak_flops)
 
 
 def gpt3_175b_params() -> float:
@@ -46,12 +45,11 @@ def gpt3_175b_params() -> float:
     return float(param_counts(gpt3_175b_config()).total)
 
 
-def gpt3_175b_training_flops() -> float:
-    """6·N·D over 300B tokens with N = ``sizing.matmul_params``."""
+def gpt3_175b_training_flops(train_tokens: float) -> float:
+    """6·N·D over the training tokens with N = ``sizing.matmul_params``."""
     from densetrain.models.sizing import matmul_params
-    from densetrain.scaling import references as ref
 
-    return 6.0 * matmul_params(gpt3_175b_config()) * ref.GPT3_TRAIN_TOKENS
+    return 6.0 * matmul_params(gpt3_175b_config()) * train_tokens
 
 
 def chinchilla_a4_ratio(layers: int, d_model: int, ffw: int, heads: int) -> float:
@@ -81,14 +79,12 @@ def korthikanti_eq1(*, s: int, b: int, h: int, a: int) -> float:
     return s * b * h * (34 + 5 * a * s / h)
 
 
-def gpt3_layer_activation_bytes() -> float:
-    """``planner.memory.layer_activation_bytes`` for a GPT-3 175B layer (dropout, no flash,
-    no recompute, no parallelism)."""
+def gpt3_layer_activation_bytes(shape: dict[str, int]) -> float:
+    """``planner.memory.layer_activation_bytes`` for a GPT-3 175B layer of ``shape`` (s, b, h,
+    a; dropout, no flash, no recompute, no parallelism)."""
     from densetrain.planner.layout import AC_POLICIES
     from densetrain.planner.memory import layer_activation_bytes
-    from densetrain.scaling import references as ref
 
-    shape = ref.KORTHIKANTI_SHAPE
     cfg = ModelConfig(vocab_size=51200, dim=shape["h"], num_layers=4, num_heads=shape["a"],
                       activation="gelu", norm_type="layernorm", norm_bias=True,
                       position_embedding="learned", dropout=0.1)
