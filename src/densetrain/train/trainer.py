@@ -15,7 +15,8 @@ One job, as the code runs it::
           meta Transformer → parallelize → to_empty → init_weights   (pp: per stage)
         build_optimizer(...) → TrainingOptimizer         parallel/parallelize.py, zero.py
       resume(parts, progress)                          checkpoint/manager.py
-      run_loop: prepare_batch → train_step → scheduler → evaluate? → callbacks
+      run_loop: prepare_batch → train_step → scheduler → FaultGuard (rollback?)
+                → evaluate? → callbacks                train/faults.py
       summary.json
 """
 
@@ -36,8 +37,10 @@ from densetrain.optim.interface import layout_of_saved_keys
 from densetrain.parallel.distributed import collective_step
 from densetrain.train.callbacks import Callback, Checkpointer, LossPlot, MetricsLogger, Sampler
 from densetrain.train.evaluation import Evaluator
+from densetrain.train.faults import FaultGuard
 from densetrain.train.state import Progress, RunParts, StepReport
 from densetrain.train.step import train_step
+from densetrain.train.watchdog import HangWatchdog, start_watchdog
 
 
 def default_callbacks(job: JobConfig) -> list[Callback]:
@@ -62,10 +65,13 @@ class RunLoop:
     totals (throughput is never computed from tokens another process trained)."""
 
     def __init__(self, parts: RunParts, progress: Progress, evaluator: Evaluator,
-                 callbacks: Sequence[Callback]) -> None:
+                 callbacks: Sequence[Callback], guard: FaultGuard,
+                 watchdog: HangWatchdog | None = None) -> None:
         self.parts = parts
         self.progress = progress
         self.evaluator = evaluator
+        self.guard = guard
+        self.watchdog = watchdog
         self.callbacks = list(callbacks)
         self.process_tokens = 0
         self.process_train_seconds = 0.0
@@ -75,21 +81,44 @@ class RunLoop:
         """The loop."""
         parts, progress = self.parts, self.progress
         total_steps = parts.training.steps
+        self.guard.start(parts)
         for callback in self.callbacks:
             callback.on_train_start(parts, progress)
         steps_run = 0
         while progress.step < total_steps:
+            self._watch("step", begin=progress.step + 1)
             report = self.step(total_steps)
             steps_run += 1
+            self._watch("fault checks")
+            if self.guard.after_step(parts, progress, report):  # rolled back: the step is void
+                for callback in self.callbacks:
+                    callback.on_rollback(parts, progress)
+                continue
             if self.evaluator.due(report.step, total_steps):
+                self._watch("evaluation")
                 report.eval = self.evaluator.evaluate(parts)
                 self.last_val_loss = report.eval.get("val_loss", self.last_val_loss)
+            self._watch("callbacks")
             for callback in self.callbacks:
                 callback.on_step_end(parts, progress, report)
+            self._watch("", end=True)
+        if self.watchdog is not None:
+            self.watchdog.pause()  # the closing evaluation, checkpoint and sample are unwatched
         if steps_run == 0 and self.evaluator.interval > 0:  # a resumed, already finished run
             self.last_val_loss = self.evaluator.evaluate(parts).get("val_loss", math.nan)
         for callback in self.callbacks:
             callback.on_train_end(parts, progress)
+
+    def _watch(self, phase: str, *, begin: int = 0, end: bool = False) -> None:
+        """Tell the hang watchdog (if any) where the iteration is."""
+        if self.watchdog is None:
+            return
+        if begin:
+            self.watchdog.begin(begin, phase)
+        elif end:
+            self.watchdog.end()
+        else:
+            self.watchdog.phase(phase)
 
     def step(self, total_steps: int) -> StepReport:
         """One optimizer step of the run and its report."""
@@ -137,13 +166,24 @@ def check_optimizer_layout(path: Path, parts: RunParts) -> None:
         )
 
 
+def has_fault_record(path: Path) -> bool:
+    """True when checkpoint ``path`` holds the ``faults`` entry of the state tree."""
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return any(key.startswith("faults.") for key in stored)
+
+
 def resume(parts: RunParts, progress: Progress) -> str:
     """Load the latest complete checkpoint into the run (if any); returns its path or ""."""
     latest = latest_checkpoint(parts.checkpoint_dir)
     if latest is None:
         return ""
     check_optimizer_layout(latest, parts)
-    load_checkpoint(latest, parts.state_tree(progress))
+    tree = parts.state_tree(progress)
+    if not has_fault_record(latest):
+        del tree["faults"]  # saved before the record existed: no faults were recorded
+    load_checkpoint(latest, tree)
     parts.optimizer.after_weights_loaded()
     if parts.is_main:
         print(f"resumed from {latest} (step {progress.step})", file=sys.stderr)
@@ -206,20 +246,25 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
 
     owns_process_group = not (dist.is_available() and dist.is_initialized())
     all_callbacks = default_callbacks(job) + list(callbacks or [])
+    watchdog: HangWatchdog | None = None
     try:
         parts, progress = build_run(job)
+        watchdog = start_watchdog(job.faults, rank=parts.rank, run_dir=parts.run_dir)
         resumed_from = ""
         if job.checkpoint.resume and job.checkpoint.enabled:
             resumed_from = resume(parts, progress)
         loop = RunLoop(parts, progress,
                        Evaluator(interval=job.eval.interval, num_batches=job.eval.num_batches),
-                       all_callbacks)
+                       all_callbacks,
+                       FaultGuard(job.faults), watchdog)
         loop.run()
         summary = summarize(parts, progress, loop, all_callbacks)
         summary["resumed_from"] = resumed_from
         if parts.is_main:
             write_summary(parts.run_dir, summary)
     finally:
+        if watchdog is not None:
+            watchdog.close()
         for callback in all_callbacks:
             callback.close()
         if owns_process_group and dist.is_available() and dist.is_initialized():
