@@ -208,6 +208,12 @@ class FaultsConfig:
             checkpoint save and below ``parallel.collective_timeout_s``).
         hang_first_steps_seconds: the limit of the first iterations, before a median exists
             (compilation and warm-up).
+        sdc_check_interval: every this many steps, compare a checksum of every parameter
+            (bit-exact) across the data-parallel replicas that must hold the same values,
+            naming the tensors and the ranks that disagree; 0 turns it off.
+        sdc_check_optimizer: also compare the optimizer states (where they are replicated).
+        sdc_action: on a mismatch ``stop`` (a launcher restarts without the bad host), or
+            ``rollback`` to the newest checkpoint saved at or before the last passing check.
     """
 
     max_consecutive_skips: int = 5
@@ -229,11 +235,14 @@ class FaultsConfig:
     hang_factor: float = 10.0
     hang_min_seconds: float = 300.0
     hang_first_steps_seconds: float = 480.0
+    sdc_check_interval: int = 100
+    sdc_check_optimizer: bool = False
+    sdc_action: str = "stop"
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming ``faults.<field>`` when a value is out of range."""
         for name in ("max_consecutive_skips", "max_skipped_steps", "spike_warmup_steps",
-                     "max_rollbacks"):
+                     "max_rollbacks", "sdc_check_interval"):
             _int_at_least(f"faults.{name}", getattr(self, name), 0)
         for name in ("spike_window", "spike_min_history", "rollback_min_steps",
                      "rollback_window_steps"):
@@ -253,6 +262,7 @@ class FaultsConfig:
                 raise ValueError(f"faults.{name} must be a finite number > 0, got {value!r}")
         _choice("faults.nan_cap_action", self.nan_cap_action, FAULT_ACTIONS)
         _choice("faults.spike_action", self.spike_action, FAULT_ACTIONS)
+        _choice("faults.sdc_action", self.sdc_action, FAULT_ACTIONS)
         parse_sequence_ranges(self.skip_sequences, field_name="faults.skip_sequences")
 
 

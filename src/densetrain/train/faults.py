@@ -28,8 +28,11 @@ from densetrain.checkpoint import (
     load_checkpoint,
 )
 from densetrain.config.sections import FaultsConfig, parse_sequence_ranges
+from densetrain.parallel.config import ParallelConfig
+from densetrain.parallel.mesh import ParallelMesh
 from densetrain.train.evaluation import mean_over_ranks
 from densetrain.train.fault_record import append_history, dist_on, rank
+from densetrain.train.sdc import ReplicaCheck, replica_axis
 from densetrain.train.spikes import Spike, SpikeDetector
 from densetrain.train.state import Progress, RunParts, StepReport
 from densetrain.train.step import NonFiniteLossError
@@ -38,7 +41,21 @@ COMPLETE_MARKER = "COMPLETE"  # the checkpoint package's completion marker (remo
 
 
 class RunFaultError(NonFiniteLossError):
-    """The run stopped on a numerical fault: non-finite steps or loss spikes past their caps."""
+    """The run stopped on a numerical fault: non-finite steps or loss spikes past their caps,
+    or corrupted replicas."""
+
+
+class SilentDataCorruptionError(RunFaultError):
+    """Data-parallel replicas disagree bit for bit (``faults.sdc_action="stop"``)."""
+
+
+def build_replica_check(config: FaultsConfig, parallel: ParallelConfig, pmesh: ParallelMesh
+                        ) -> ReplicaCheck | None:
+    """The job's cross-replica check, or None (off, or no replicas in this layout)."""
+    axis = replica_axis(pmesh, parallel)
+    if config.sdc_check_interval == 0 or axis is None or pmesh.group(axis) is None:
+        return None
+    return ReplicaCheck(pmesh, axis, optimizer_states=config.sdc_check_optimizer)
 
 
 def _floating_tensors(tree: Mapping[str, Any] | list, prefix: str = ""):
@@ -114,8 +131,12 @@ def skipped_range(parts: RunParts, from_step: int, batches: int) -> tuple[int, i
 class FaultGuard:
     """The loop's check after each step: non-finite caps and loss spikes → rollback or stop."""
 
-    def __init__(self, config: FaultsConfig) -> None:
+    def __init__(self, config: FaultsConfig, *, replica_check: ReplicaCheck | None = None
+                 ) -> None:
         self.config = config
+        self.replica_check = replica_check
+        self.last_good_check = 0
+        """Step of the newest replica check that passed (0: the start)."""
         self.consecutive_skips = 0
         self.detector = SpikeDetector(
             window=config.spike_window, threshold=config.spike_threshold,
@@ -137,6 +158,8 @@ class FaultGuard:
         """Check the step just taken; True when the run was rolled back (the step's report is
         then void). Raises `RunFaultError` when a cap is passed. Collective (every rank
         decides the same: the loss is averaged over ranks, skips agree by construction)."""
+        if self._replicas_disagree(parts, progress):
+            return True
         if report.skipped:
             return self._after_skip(parts, progress)
         self.consecutive_skips = 0
@@ -150,7 +173,29 @@ class FaultGuard:
                   f"{self.config.spike_threshold})")
         if self.config.spike_action == "stop":
             raise RunFaultError(f"{reason}; faults.spike_action='stop' ends the run")
-        self.rollback(parts, progress, spike_step=spike.step, reason=reason, spike=spike)
+        self.rollback(parts, progress, spike_step=spike.step,
+                      at_most=spike.step - self.config.rollback_min_steps, reason=reason,
+                      spike=spike)
+        return True
+
+    def _replicas_disagree(self, parts: RunParts, progress: Progress) -> bool:
+        interval = self.config.sdc_check_interval
+        if self.replica_check is None or interval == 0 or progress.step % interval:
+            return False
+        message = self.replica_check.mismatch(parts.model.module, parts.optimizer.state)
+        if message is None:
+            self.last_good_check = progress.step
+            return False
+        reason = f"step {progress.step}: {message}"
+        append_history(parts.run_dir, {"event": "sdc", "step": progress.step, "reason": reason})
+        if self.config.sdc_action == "stop":
+            raise SilentDataCorruptionError(
+                f"{reason}; faults.sdc_action='stop' ends the run: restart it without the "
+                "named ranks' hosts (it resumes from the newest checkpoint at or before step "
+                f"{self.last_good_check}, the last passing check)"
+            )
+        self.rollback(parts, progress, spike_step=progress.step, at_most=self.last_good_check,
+                      reason=reason, spike=None)
         return True
 
     def _after_skip(self, parts: RunParts, progress: Progress) -> bool:
@@ -170,16 +215,17 @@ class FaultGuard:
         if cfg.nan_cap_action == "stop":
             raise RunFaultError(f"{reason}; faults.nan_cap_action='stop' ends the run. Lower "
                                 "optim.lr or set optim.grad_clip")
-        self.rollback(parts, progress, spike_step=progress.step - self.consecutive_skips + 1,
+        first = progress.step - self.consecutive_skips + 1
+        self.rollback(parts, progress, spike_step=first, at_most=first - cfg.rollback_min_steps,
                       reason=reason, spike=None)
         self.consecutive_skips = 0
         return True
 
-    def rollback(self, parts: RunParts, progress: Progress, *, spike_step: int, reason: str,
-                 spike: Spike | None) -> None:
-        """Load the newest checkpoint at least ``rollback_min_steps`` before ``spike_step``,
-        skip the next ``rollback_skip_batches`` batches, record it; `RunFaultError` past the
-        rollback cap or without such a checkpoint."""
+    def rollback(self, parts: RunParts, progress: Progress, *, spike_step: int, at_most: int,
+                 reason: str, spike: Spike | None) -> None:
+        """Load the newest checkpoint of step <= ``at_most`` (for a spike at ``spike_step``,
+        ``rollback_min_steps`` before it), skip the next ``rollback_skip_batches`` batches,
+        record it; `RunFaultError` past the rollback cap or without such a checkpoint."""
         cfg, record = self.config, parts.fault_record
         recent = [r["spike_step"] for r in record.rollbacks
                   if r["spike_step"] > spike_step - cfg.rollback_window_steps]
@@ -190,12 +236,12 @@ class FaultGuard:
                 f" (faults.max_rollbacks={cfg.max_rollbacks}), so it stops: lower optim.lr, "
                 "raise schedule warmup or set optim.grad_clip"
             )
-        target = rollback_target(parts.checkpoint_dir, spike_step - cfg.rollback_min_steps)
+        target = rollback_target(parts.checkpoint_dir, at_most)
         if target is None:
             raise RunFaultError(
-                f"{reason}; no complete checkpoint of step <= {spike_step - cfg.rollback_min_steps}"
-                f" (faults.rollback_min_steps={cfg.rollback_min_steps} before it) in "
-                f"{parts.checkpoint_dir} to roll back to, so the run stops"
+                f"{reason}; no complete checkpoint of step <= {at_most} in "
+                f"{parts.checkpoint_dir} to roll back to (faults.rollback_min_steps="
+                f"{cfg.rollback_min_steps}), so the run stops"
             )
         to_step, path = target
         remove_checkpoints_after(parts.checkpoint_dir, to_step)

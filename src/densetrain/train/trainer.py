@@ -37,7 +37,7 @@ from densetrain.optim.interface import layout_of_saved_keys
 from densetrain.parallel.distributed import collective_step
 from densetrain.train.callbacks import Callback, Checkpointer, LossPlot, MetricsLogger, Sampler
 from densetrain.train.evaluation import Evaluator
-from densetrain.train.faults import FaultGuard
+from densetrain.train.faults import FaultGuard, build_replica_check
 from densetrain.train.state import Progress, RunParts, StepReport
 from densetrain.train.step import train_step
 from densetrain.train.watchdog import HangWatchdog, start_watchdog
@@ -256,7 +256,9 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
         loop = RunLoop(parts, progress,
                        Evaluator(interval=job.eval.interval, num_batches=job.eval.num_batches),
                        all_callbacks,
-                       FaultGuard(job.faults), watchdog)
+                       FaultGuard(job.faults, replica_check=build_replica_check(
+                           job.faults, job.parallel, parts.pmesh)),
+                       watchdog)
         loop.run()
         summary = summarize(parts, progress, loop, all_callbacks)
         summary["resumed_from"] = resumed_from

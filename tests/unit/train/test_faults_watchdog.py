@@ -26,6 +26,7 @@ def _train_stalling(rank: int, world_size: int, overrides: list[str]) -> dict:
     return train(load_job_config(None, overrides), callbacks=[StallOneRank()])
 
 
+@pytest.mark.slow
 def test_stalled_rank_is_named_with_step_and_stack(corpus_cache, tiny_overrides,
                                                     tmp_path) -> None:
     run_dir = tmp_path / "stalled"
