@@ -214,6 +214,12 @@ class FaultsConfig:
         sdc_check_optimizer: also compare the optimizer states (where they are replicated).
         sdc_action: on a mismatch ``stop`` (a launcher restarts without the bad host), or
             ``rollback`` to the newest checkpoint saved at or before the last passing check.
+        sdc_replay_interval: every this many steps, run the step's forward/backward twice
+            from the same inputs and compare loss and gradients (one more forward/backward
+            and one gradient copy in memory); 0 (default) turns it off, because GPU kernels
+            that are not deterministic need a tolerance measured on the hardware first.
+        sdc_replay_tolerance: 0 compares bit for bit (CPU); else the largest difference
+            allowed, relative to the tensor's largest magnitude.
     """
 
     max_consecutive_skips: int = 5
@@ -238,11 +244,13 @@ class FaultsConfig:
     sdc_check_interval: int = 100
     sdc_check_optimizer: bool = False
     sdc_action: str = "stop"
+    sdc_replay_interval: int = 0
+    sdc_replay_tolerance: float = 0.0
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming ``faults.<field>`` when a value is out of range."""
         for name in ("max_consecutive_skips", "max_skipped_steps", "spike_warmup_steps",
-                     "max_rollbacks", "sdc_check_interval"):
+                     "max_rollbacks", "sdc_check_interval", "sdc_replay_interval"):
             _int_at_least(f"faults.{name}", getattr(self, name), 0)
         for name in ("spike_window", "spike_min_history", "rollback_min_steps",
                      "rollback_window_steps"):
@@ -263,6 +271,11 @@ class FaultsConfig:
         _choice("faults.nan_cap_action", self.nan_cap_action, FAULT_ACTIONS)
         _choice("faults.spike_action", self.spike_action, FAULT_ACTIONS)
         _choice("faults.sdc_action", self.sdc_action, FAULT_ACTIONS)
+        tolerance = self.sdc_replay_tolerance
+        if not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance)
+                and tolerance >= 0):
+            raise ValueError(f"faults.sdc_replay_tolerance must be a finite number >= 0, got "
+                             f"{tolerance!r}")
         parse_sequence_ranges(self.skip_sequences, field_name="faults.skip_sequences")
 
 

@@ -136,7 +136,9 @@ class FaultGuard:
         self.config = config
         self.replica_check = replica_check
         self.last_good_check = 0
-        """Step of the newest replica check that passed (0: the start)."""
+        """Step of the newest replica check or replay that passed (0: the start)."""
+        self.replay_mismatch: str | None = None
+        """The message of the replay of the step just taken, if it disagreed."""
         self.consecutive_skips = 0
         self.detector = SpikeDetector(
             window=config.spike_window, threshold=config.spike_threshold,
@@ -178,23 +180,31 @@ class FaultGuard:
                       spike=spike)
         return True
 
+    def replay_due(self, step: int) -> bool:
+        """True when step ``step`` (1-based) is to be computed twice and compared."""
+        interval = self.config.sdc_replay_interval
+        return interval > 0 and step % interval == 0
+
     def _replicas_disagree(self, parts: RunParts, progress: Progress) -> bool:
+        message, self.replay_mismatch = self.replay_mismatch, None
+        good_until = progress.step - 1  # a replay mismatch: the state before this step
         interval = self.config.sdc_check_interval
-        if self.replica_check is None or interval == 0 or progress.step % interval:
-            return False
-        message = self.replica_check.mismatch(parts.model.module, parts.optimizer.state)
+        if message is None and self.replica_check is not None and interval > 0 and (
+                progress.step % interval == 0):
+            message = self.replica_check.mismatch(parts.model.module, parts.optimizer.state)
+            good_until = self.last_good_check
+            if message is None:
+                self.last_good_check = progress.step
         if message is None:
-            self.last_good_check = progress.step
             return False
         reason = f"step {progress.step}: {message}"
         append_history(parts.run_dir, {"event": "sdc", "step": progress.step, "reason": reason})
         if self.config.sdc_action == "stop":
             raise SilentDataCorruptionError(
                 f"{reason}; faults.sdc_action='stop' ends the run: restart it without the "
-                "named ranks' hosts (it resumes from the newest checkpoint at or before step "
-                f"{self.last_good_check}, the last passing check)"
+                f"suspect ranks' hosts, from a checkpoint of step <= {good_until}"
             )
-        self.rollback(parts, progress, spike_step=progress.step, at_most=self.last_good_check,
+        self.rollback(parts, progress, spike_step=progress.step, at_most=good_until,
                       reason=reason, spike=None)
         return True
 

@@ -38,6 +38,7 @@ from densetrain.parallel.distributed import collective_step
 from densetrain.train.callbacks import Callback, Checkpointer, LossPlot, MetricsLogger, Sampler
 from densetrain.train.evaluation import Evaluator
 from densetrain.train.faults import FaultGuard, build_replica_check
+from densetrain.train.replay import replayed_step
 from densetrain.train.state import Progress, RunParts, StepReport
 from densetrain.train.step import train_step
 from densetrain.train.watchdog import HangWatchdog, start_watchdog
@@ -126,13 +127,16 @@ class RunLoop:
         start = time.perf_counter()
         global_batch = parts.batch_schedule.batch_size_at(progress.step)
         batch = parts.model.prepare_batch(parts.data.train.next_batch(global_batch), parts.device)
+        step_args = dict(micro_batch_size=parts.training.micro_batch_size,
+                         grad_clip=parts.grad_clip, autocast=parts.autocast,
+                         nan_policy=parts.training.nan_policy, step=progress.step + 1)
         with collective_step(progress.step + 1):  # a failed collective names rank and step
-            output = train_step(
-                parts.model, parts.optimizer, batch,
-                micro_batch_size=parts.training.micro_batch_size, grad_clip=parts.grad_clip,
-                autocast=parts.autocast, nan_policy=parts.training.nan_policy,
-                step=progress.step + 1,
-            )
+            if self.guard.replay_due(progress.step + 1):  # computed twice and compared
+                output, self.guard.replay_mismatch = replayed_step(
+                    parts.model, parts.optimizer, batch, **step_args,
+                    tolerance=self.guard.config.sdc_replay_tolerance)
+            else:
+                output = train_step(parts.model, parts.optimizer, batch, **step_args)
         lr = float(parts.optimizer.param_groups[0]["lr"])
         parts.scheduler.step()
         tokens = global_batch * parts.seq_len
