@@ -19,6 +19,7 @@ _COMMAND_MODULES = (
     "densetrain.cli.scaling_cmd",  # scaling sweep | fit | optimal
     "densetrain.cli.plan_cmd",  # plan
     "densetrain.cli.eval_cmd",  # eval perplexity | tasks, generate
+    "densetrain.cli.goodput_cmd",  # goodput
 )
 
 

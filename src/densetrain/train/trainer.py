@@ -38,6 +38,8 @@ from densetrain.parallel.distributed import collective_step
 from densetrain.train.callbacks import Callback, Checkpointer, LossPlot, MetricsLogger, Sampler
 from densetrain.train.evaluation import Evaluator
 from densetrain.train.faults import FaultGuard, build_replica_check
+from densetrain.train.goodput import GoodputLedger
+from densetrain.train.phases import PhaseTracker
 from densetrain.train.replay import replayed_step
 from densetrain.train.state import Progress, RunParts, StepReport
 from densetrain.train.step import train_step
@@ -67,12 +69,13 @@ class RunLoop:
 
     def __init__(self, parts: RunParts, progress: Progress, evaluator: Evaluator,
                  callbacks: Sequence[Callback], guard: FaultGuard,
-                 watchdog: HangWatchdog | None = None) -> None:
+                 watchdog: HangWatchdog | None = None, ledger: GoodputLedger | None = None
+                 ) -> None:
         self.parts = parts
         self.progress = progress
         self.evaluator = evaluator
         self.guard = guard
-        self.watchdog = watchdog
+        self.phases = PhaseTracker(watchdog, ledger)
         self.callbacks = list(callbacks)
         self.process_tokens = 0
         self.process_train_seconds = 0.0
@@ -87,39 +90,28 @@ class RunLoop:
             callback.on_train_start(parts, progress)
         steps_run = 0
         while progress.step < total_steps:
-            self._watch("step", begin=progress.step + 1)
+            self.phases.begin(progress.step + 1)
             report = self.step(total_steps)
             steps_run += 1
-            self._watch("fault checks")
+            self.phases.enter("fault checks")
             if self.guard.after_step(parts, progress, report):  # rolled back: the step is void
                 for callback in self.callbacks:
                     callback.on_rollback(parts, progress)
+                self.phases.end()
                 continue
             if self.evaluator.due(report.step, total_steps):
-                self._watch("evaluation")
+                self.phases.enter("evaluation")
                 report.eval = self.evaluator.evaluate(parts)
                 self.last_val_loss = report.eval.get("val_loss", self.last_val_loss)
-            self._watch("callbacks")
+            self.phases.enter("callbacks")
             for callback in self.callbacks:
                 callback.on_step_end(parts, progress, report)
-            self._watch("", end=True)
-        if self.watchdog is not None:
-            self.watchdog.pause()  # the closing evaluation, checkpoint and sample are unwatched
+            self.phases.end()
+        self.phases.stop()  # the closing evaluation, checkpoint and sample are unwatched
         if steps_run == 0 and self.evaluator.interval > 0:  # a resumed, already finished run
             self.last_val_loss = self.evaluator.evaluate(parts).get("val_loss", math.nan)
         for callback in self.callbacks:
             callback.on_train_end(parts, progress)
-
-    def _watch(self, phase: str, *, begin: int = 0, end: bool = False) -> None:
-        """Tell the hang watchdog (if any) where the iteration is."""
-        if self.watchdog is None:
-            return
-        if begin:
-            self.watchdog.begin(begin, phase)
-        elif end:
-            self.watchdog.end()
-        else:
-            self.watchdog.phase(phase)
 
     def step(self, total_steps: int) -> StepReport:
         """One optimizer step of the run and its report."""
@@ -127,6 +119,7 @@ class RunLoop:
         start = time.perf_counter()
         global_batch = parts.batch_schedule.batch_size_at(progress.step)
         batch = parts.model.prepare_batch(parts.data.train.next_batch(global_batch), parts.device)
+        self.phases.enter("step")
         step_args = dict(micro_batch_size=parts.training.micro_batch_size,
                          grad_clip=parts.grad_clip, autocast=parts.autocast,
                          nan_policy=parts.training.nan_policy, step=progress.step + 1)
@@ -248,12 +241,14 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
 
     from densetrain.train.setup import build_run
 
+    started = time.time()
     owns_process_group = not (dist.is_available() and dist.is_initialized())
     all_callbacks = default_callbacks(job) + list(callbacks or [])
     watchdog: HangWatchdog | None = None
     try:
         parts, progress = build_run(job)
         watchdog = start_watchdog(job.faults, rank=parts.rank, run_dir=parts.run_dir)
+        ledger = GoodputLedger(parts.run_dir, write=parts.is_main, started=started)
         resumed_from = ""
         if job.checkpoint.resume and job.checkpoint.enabled:
             resumed_from = resume(parts, progress)
@@ -262,9 +257,11 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
                        all_callbacks,
                        FaultGuard(job.faults, replica_check=build_replica_check(
                            job.faults, job.parallel, parts.pmesh)),
-                       watchdog)
+                       watchdog, ledger)
         loop.run()
+        loop.phases.finish(progress.step)
         summary = summarize(parts, progress, loop, all_callbacks)
+        summary.update(ledger.summary())
         summary["resumed_from"] = resumed_from
         if parts.is_main:
             write_summary(parts.run_dir, summary)
