@@ -11,7 +11,7 @@ import torch
 
 from densetrain.cli.main import main
 from densetrain.train import Callback, train
-from densetrain.train.goodput import ledger_totals, read_ledger
+from densetrain.train.goodput import GoodputLedger, ledger_totals, read_ledger
 
 JOB = ("--training.steps=14", "--checkpoint.interval=4", "--checkpoint.keep_last=0",
        "--eval.interval=7", "--eval.sample_tokens=0", "--logging.plot=false",
@@ -36,6 +36,7 @@ class _SpikeThenKill(Callback):
             raise KeyboardInterrupt("killed after step 10")
 
 
+@pytest.mark.slow
 def test_ledger_of_a_rollback_kill_and_resume_adds_up_to_wall_time(make_job, capsys) -> None:
     job = make_job(*JOB)
     with pytest.raises(KeyboardInterrupt):
@@ -60,3 +61,22 @@ def test_ledger_of_a_rollback_kill_and_resume_adds_up_to_wall_time(make_job, cap
 def test_goodput_command_names_a_missing_ledger(tmp_path, capsys) -> None:
     assert main(["goodput", str(tmp_path)]) == 2
     assert "goodput.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_two_processes_account_their_time_and_the_gap_between(tmp_path) -> None:
+    for steps in ((1, 2), (2, 3)):  # the second process resumes from step 1: 2 is redone
+        ledger = GoodputLedger(tmp_path, write=True, started=time.time())
+        time.sleep(0.02)
+        ledger.mark("startup")
+        ledger.flush(steps[0] - 1)
+        for step in steps:
+            time.sleep(0.01)
+            ledger.mark(ledger.step_bucket(step))
+            ledger.flush(step)
+        time.sleep(0.05)  # down: not marked, the process ends
+    totals, wall = ledger_totals(read_ledger(tmp_path))
+    assert sum(totals.values()) == pytest.approx(wall, rel=1e-9)
+    assert totals["down"] >= 0.05
+    lines = read_ledger(tmp_path)
+    assert [(e["step"], *e["buckets"]) for e in lines[-2:]] == [(2, "recomputed"),
+                                                                (3, "productive")]

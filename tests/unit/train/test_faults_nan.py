@@ -87,6 +87,7 @@ def test_total_skip_cap_stops(make_job) -> None:
         train(job, callbacks=[_PoisonWeightsOnce(at=3)])
 
 
+@pytest.mark.slow
 def test_non_finite_streak_rolls_back_and_the_run_finishes(make_job) -> None:
     job = make_job("--training.steps=10", "--training.nan_policy=skip",
                    "--faults.max_consecutive_skips=0", "--faults.rollback_min_steps=1",

@@ -9,7 +9,7 @@ import torch
 from densetrain.train import Callback, read_metrics, train
 from densetrain.train.faults import SilentDataCorruptionError
 
-COMMON = ("--training.steps=6", "--eval.interval=0", "--eval.sample_tokens=0",
+COMMON = ("--training.steps=4", "--eval.interval=0", "--eval.sample_tokens=0",
           "--checkpoint.enabled=false", "--logging.plot=false")
 
 
