@@ -31,6 +31,7 @@ _COMMAND_MODULES = {
     "densetrain.cli.scaling_cmd": ("scaling",),  # scaling sweep | fit | optimal
     "densetrain.cli.plan_cmd": ("plan",),
     "densetrain.cli.eval_cmd": ("eval", "generate"),  # eval perplexity | tasks, generate
+    "densetrain.cli.goodput_cmd": ("goodput",),
 }
 
 

@@ -2,9 +2,10 @@
 
 Sections and their owners: ``model`` (``ModelSection``: a preset name plus optional overrides of
 any ``ModelConfig`` field), ``data`` (``DataConfig``), ``optim`` (``OptimConfig``), ``schedule``
-(``ScheduleConfig``), ``training``, ``parallel`` (``ParallelConfig``), ``checkpoint``, ``eval``
-and ``logging``. Each builder receives only its own section; ``JobConfig.validate`` adds the
-rules that span sections (batch divisibility, warmup shorter than the run, ...).
+(``ScheduleConfig``), ``training``, ``parallel`` (``ParallelConfig``), ``checkpoint``, ``eval``,
+``logging`` and ``faults`` (``FaultsConfig``). Each builder receives only its own section;
+``JobConfig.validate`` adds the rules that span sections (batch divisibility, warmup
+shorter than the run, ...).
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
-from densetrain.config.sections import CheckpointConfig, EvalConfig, LoggingConfig, TrainingConfig
+from densetrain.config.sections import (
+    CheckpointConfig,
+    EvalConfig,
+    FaultsConfig,
+    LoggingConfig,
+    TrainingConfig,
+)
 from densetrain.data.config import DataConfig
 from densetrain.models.config import ModelConfig
 from densetrain.optim.config import OptimConfig, ScheduleConfig
@@ -79,6 +86,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
     # ------------------------------------------------------------------ model
     def build_model_config(self, vocab_size: int | None = None) -> ModelConfig:

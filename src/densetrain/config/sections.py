@@ -183,3 +183,133 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 def _int_at_least(name: str, value: int, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+FAULT_ACTIONS = ("stop", "rollback")
+
+
+@dataclass(kw_only=True)
+class FaultsConfig:
+    """Faults that do not crash a run but ruin it: non-finite steps and loss spikes.
+
+    The defaults follow PaLM §5.1 (Chowdhery et al., 2022): on a loss spike, restart from a
+    checkpoint about 100 steps before it and skip 200-500 batches, the ones seen before and
+    during the spike.
+
+    Attributes:
+        max_consecutive_skips: with ``training.nan_policy="skip"``, more than this many
+            non-finite steps in a row trigger ``nan_cap_action``.
+        max_skipped_steps: likewise for the run's total of skipped steps (kept in checkpoints).
+        nan_cap_action: ``rollback`` (as on a loss spike) or ``stop`` the run with a message.
+        spike_detection: watch the training loss for spikes.
+        spike_window: steps of recent losses whose median and median absolute deviation (MAD)
+            the detector compares each step's loss with.
+        spike_threshold: a spike is a loss above the median by more than this many robust
+            deviations (1.4826 × MAD, the standard deviation of a normal distribution).
+        spike_min_deviation: floor of the robust deviation, as a fraction of the median (a
+            flat loss has a MAD near 0, and noise would then look like a spike).
+        spike_warmup_steps: no detection before this step (the early loss falls too fast).
+        spike_min_history: no detection while the window holds fewer losses than this.
+        spike_action: ``rollback`` to a checkpoint and skip batches, or ``stop``.
+        rollback_min_steps: roll back to the newest complete checkpoint at least this many
+            steps before the spike.
+        rollback_skip_batches: batches skipped after the checkpoint rolled back to, counted
+            from it (so they cover the batches seen before and during the spike); must exceed
+            ``rollback_min_steps``.
+        max_rollbacks: more than this many rollbacks whose spikes lie within
+            ``rollback_window_steps`` steps end the run.
+        rollback_window_steps: the window of that cap, in steps.
+        skip_sequences: ranges of the global sequence order the data stream never reads,
+            ``"start:end,start:end"`` (end exclusive); rollbacks add theirs to the run's state.
+        hang_watchdog: run a per-rank thread that ends a rank whose loop iteration (step,
+            evaluation, callbacks) takes far longer than the recent ones, dumping every
+            thread's Python stack and naming the rank and step.
+        hang_factor: an iteration hangs past this many times the recent median iteration...
+        hang_min_seconds: ...and past at least this many seconds (keep it above the longest
+            checkpoint save and below ``parallel.collective_timeout_s``).
+        hang_first_steps_seconds: the limit of the first iterations, before a median exists
+            (compilation and warm-up).
+        sdc_check_interval: every this many steps, compare a checksum of every parameter
+            (bit-exact) across the data-parallel replicas that must hold the same values,
+            naming the tensors and the ranks that disagree; 0 turns it off.
+        sdc_check_optimizer: also compare the optimizer states (where they are replicated).
+        sdc_action: on a mismatch ``stop`` (a launcher restarts without the bad host), or
+            ``rollback`` to the newest checkpoint saved at or before the last passing check.
+        sdc_replay_interval: every this many steps, run the step's forward/backward twice
+            from the same inputs and compare loss and gradients (one more forward/backward
+            and one gradient copy in memory); 0 (default) turns it off, because GPU kernels
+            that are not deterministic need a tolerance measured on the hardware first.
+        sdc_replay_tolerance: 0 compares bit for bit (CPU); else the largest difference
+            allowed, relative to the tensor's largest magnitude.
+    """
+
+    max_consecutive_skips: int = 5
+    max_skipped_steps: int = 50
+    nan_cap_action: str = "rollback"
+    spike_detection: bool = True
+    spike_window: int = 100
+    spike_threshold: float = 6.0
+    spike_min_deviation: float = 0.01
+    spike_warmup_steps: int = 100
+    spike_min_history: int = 20
+    spike_action: str = "rollback"
+    rollback_min_steps: int = 100
+    rollback_skip_batches: int = 200
+    max_rollbacks: int = 3
+    rollback_window_steps: int = 1000
+    skip_sequences: str = ""
+    hang_watchdog: bool = True
+    hang_factor: float = 10.0
+    hang_min_seconds: float = 300.0
+    hang_first_steps_seconds: float = 480.0
+    sdc_check_interval: int = 100
+    sdc_check_optimizer: bool = False
+    sdc_action: str = "stop"
+    sdc_replay_interval: int = 0
+    sdc_replay_tolerance: float = 0.0
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming ``faults.<field>`` when a value is out of range."""
+        for name in ("max_consecutive_skips", "max_skipped_steps", "spike_warmup_steps",
+                     "max_rollbacks", "sdc_check_interval", "sdc_replay_interval"):
+            _int_at_least(f"faults.{name}", getattr(self, name), 0)
+        for name in ("spike_window", "spike_min_history", "rollback_min_steps",
+                     "rollback_window_steps"):
+            _int_at_least(f"faults.{name}", getattr(self, name), 1)
+        _int_at_least("faults.rollback_skip_batches", self.rollback_skip_batches,
+                      self.rollback_min_steps + 1 if isinstance(self.rollback_min_steps, int)
+                      else 1)
+        if self.spike_min_history > self.spike_window:
+            raise ValueError(
+                f"faults.spike_min_history ({self.spike_min_history}) must be <= "
+                f"faults.spike_window ({self.spike_window})"
+            )
+        for name in ("spike_threshold", "spike_min_deviation", "hang_factor",
+                     "hang_min_seconds", "hang_first_steps_seconds"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"faults.{name} must be a finite number > 0, got {value!r}")
+        _choice("faults.nan_cap_action", self.nan_cap_action, FAULT_ACTIONS)
+        _choice("faults.spike_action", self.spike_action, FAULT_ACTIONS)
+        _choice("faults.sdc_action", self.sdc_action, FAULT_ACTIONS)
+        tolerance = self.sdc_replay_tolerance
+        if not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance)
+                and tolerance >= 0):
+            raise ValueError(f"faults.sdc_replay_tolerance must be a finite number >= 0, got "
+                             f"{tolerance!r}")
+        parse_sequence_ranges(self.skip_sequences, field_name="faults.skip_sequences")
+
+
+def parse_sequence_ranges(text: str, *, field_name: str) -> list[tuple[int, int]]:
+    """``"a:b,c:d"`` → ``[(a, b), (c, d)]`` (0 <= a < b); ``ValueError`` naming ``field_name``."""
+    ranges = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        start, sep, end = part.partition(":")
+        if not (sep and start.strip().isdigit() and end.strip().isdigit()
+                and int(start) < int(end)):
+            raise ValueError(
+                f"{field_name}: {part!r} is not a range 'start:end' of sequence positions with "
+                "0 <= start < end (ranges separated by commas)"
+            )
+        ranges.append((int(start), int(end)))
+    return ranges

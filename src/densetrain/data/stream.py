@@ -4,6 +4,8 @@ Each source's split is one token stream (documents separated by EOS); its ``i``-
 sequence is tokens ``[i*S, i*S + S + 1)``, crossing document boundaries. ``BatchStream`` reads
 the rank's rows of each global batch from ``sampler`` order; its state is the number of
 sequences consumed, so it resumes exactly on any rank count and with any batch-size schedule.
+Ranges of that order can be skipped (``skip_ranges``, set by the trainer after a loss-spike
+rollback): the batches are still a pure function of the consumed count and the ranges.
 """
 
 from __future__ import annotations
@@ -80,7 +82,31 @@ class BatchStream:
                 )
         self.order = MixtureOrder(self.weights, seed)
         self.consumed_sequences = 0
+        self.skip_ranges: list[tuple[int, int]] = []
+        """Ranges ``[start, end)`` of the global order that no batch reads (sorted, disjoint)."""
         self._warned: set[int] = set()
+
+    def set_skip_ranges(self, ranges: list[tuple[int, int]]) -> None:
+        """Never read the global sequence positions in ``ranges`` (``[start, end)`` each); a
+        batch that would overlap a range starts after it instead."""
+        merged: list[tuple[int, int]] = []
+        for start, end in sorted(ranges):
+            if not 0 <= start < end:
+                raise ValueError(f"a skip range needs 0 <= start < end, got {(start, end)}")
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
+        self.skip_ranges = merged
+
+    def next_start(self, global_batch_size: int) -> int:
+        """Global position where the next batch starts: the consumed count, moved past every
+        skip range the batch would overlap."""
+        start = self.consumed_sequences
+        for range_start, range_end in self.skip_ranges:  # sorted: one pass moves past all
+            if range_start < start + global_batch_size and start < range_end:
+                start = range_end
+        return start
 
     def _rows(self, start: int, count: int) -> list[tuple[int, int]]:
         """(source, token offset) of global samples ``[start, start + count)``."""
@@ -134,9 +160,11 @@ class BatchStream:
         )
 
     def next_batch(self, global_batch_size: int) -> Batch:
-        """This rank's rows of the next global batch; advances by ``global_batch_size``."""
-        batch = self.batch_at(self.consumed_sequences, global_batch_size)
-        self.consumed_sequences += global_batch_size
+        """This rank's rows of the next global batch (past the skip ranges); advances by
+        ``global_batch_size`` plus the skipped sequences."""
+        start = self.next_start(global_batch_size)
+        batch = self.batch_at(start, global_batch_size)
+        self.consumed_sequences = start + global_batch_size
         return batch
 
     def iter_eval(self, num_batches: int, batch_size: int) -> Iterator[Batch]:

@@ -5,6 +5,7 @@ returns the summary also written to ``<run_dir>/summary.json``.
 """
 
 from densetrain.train.callbacks import Callback, plot_loss_curve
+from densetrain.train.faults import RunFaultError, SilentDataCorruptionError
 from densetrain.train.metrics import (
     ACCELERATOR_PEAK_TFLOPS,
     MetricsWriter,
@@ -24,7 +25,9 @@ __all__ = [
     "MetricsWriter",
     "NonFiniteLossError",
     "Progress",
+    "RunFaultError",
     "RunParts",
+    "SilentDataCorruptionError",
     "StepOutput",
     "StepReport",
     "accelerator_peak_flops",

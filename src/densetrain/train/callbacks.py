@@ -29,6 +29,10 @@ class Callback:
     def on_step_end(self, parts: RunParts, progress: Progress, report: StepReport) -> None:
         """Called after each optimizer step (``progress.step`` is the step just taken)."""
 
+    def on_rollback(self, parts: RunParts, progress: Progress) -> None:
+        """Called after the run was rolled back to an earlier checkpoint (``progress.step``
+        is the step restored; the steps after it will be taken again)."""
+
     def on_train_end(self, parts: RunParts, progress: Progress) -> None:
         """Called once after the last step (not after an exception)."""
 
@@ -67,6 +71,17 @@ class MetricsLogger(Callback):
 
             self.bar = tqdm(total=parts.training.steps, initial=progress.step, unit="step",
                             dynamic_ncols=True, file=sys.stderr, desc="train")
+
+    def on_rollback(self, parts: RunParts, progress: Progress) -> None:
+        """Drop the metrics of the undone steps (``faults.jsonl`` keeps the spike) and move
+        the bar back."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = MetricsWriter(parts.run_dir, tensorboard=self.tensorboard,
+                                        resume_step=progress.step)
+        if self.bar is not None:
+            self.bar.n = progress.step
+            self.bar.refresh()
 
     def on_step_end(self, parts: RunParts, progress: Progress, report: StepReport) -> None:
         """Write a record at log steps, at evaluation steps and at the last step."""
@@ -177,9 +192,17 @@ class Checkpointer(Callback):
         )
 
     def _save(self, parts: RunParts, progress: Progress, *, wait: bool = False) -> None:
-        self.writer.save(progress.step, parts.state_tree(progress))
+        from densetrain.train.faults import check_state_finite
+
+        state = parts.state_tree(progress)
+        check_state_finite(state, progress.step)  # model, optimizer, anything with tensors
+        self.writer.save(progress.step, state)
         if wait:
             self.writer.wait()
+
+    def on_rollback(self, parts: RunParts, progress: Progress) -> None:
+        """The checkpoints after the restored step were deleted; forget the newest one."""
+        self.last_checkpoint = ""
 
     def on_step_end(self, parts: RunParts, progress: Progress, report: StepReport) -> None:
         """Save on the cadence."""

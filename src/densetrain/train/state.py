@@ -1,7 +1,8 @@
 """The run's state, split by lifetime.
 
 - `RunParts`: what was built once from the job (the laid-out model, the optimizer, schedules,
-  data, device, the mesh, paths and sizes). Never changes during the run.
+  data, device, the mesh, paths and sizes). Never replaced during the run (the fault record
+  it holds grows with rollbacks).
 - `Progress`: the checkpointed counters (``TrainerCounters``: optimizer steps taken and tokens
   consumed), restored on resume.
 - `StepReport`: what one step produced (loss, gradient norm, learning rate, timings and, on
@@ -27,6 +28,7 @@ from densetrain.optim.interface import TrainingOptimizer
 from densetrain.optim.schedules import BatchSizeSchedule, LRScheduler
 from densetrain.parallel.mesh import ParallelMesh
 from densetrain.parallel.model import LaidOutModel
+from densetrain.train.fault_record import FaultRecord
 
 Progress = TrainerCounters
 """The checkpointed progress of a run: ``step`` (optimizer steps taken) and ``tokens``."""
@@ -65,6 +67,8 @@ class RunParts:
     sizes: ModelSizes
     peak_flops: float
     peak_source: str
+    fault_record: FaultRecord = field(default_factory=FaultRecord)
+    """Skipped steps, rollbacks and skipped data ranges (checkpointed; train/faults.py)."""
 
     @property
     def is_main(self) -> bool:
@@ -86,6 +90,7 @@ class RunParts:
             "data": self.data.train,
             "rng": RNGState(),
             "trainer": progress,
+            "faults": self.fault_record,
         }
 
 

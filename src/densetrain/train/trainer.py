@@ -15,7 +15,8 @@ One job, as the code runs it::
           meta Transformer → parallelize → to_empty → init_weights   (pp: per stage)
         build_optimizer(...) → TrainingOptimizer         parallel/parallelize.py, zero.py
       resume(parts, progress)                          checkpoint/manager.py
-      run_loop: prepare_batch → train_step → scheduler → evaluate? → callbacks
+      run_loop: prepare_batch → train_step → scheduler → FaultGuard (rollback?)
+                → evaluate? → callbacks                train/faults.py
       summary.json
 """
 
@@ -36,8 +37,13 @@ from densetrain.optim.interface import layout_of_saved_keys
 from densetrain.parallel.distributed import collective_step
 from densetrain.train.callbacks import Callback, Checkpointer, LossPlot, MetricsLogger, Sampler
 from densetrain.train.evaluation import Evaluator
+from densetrain.train.faults import FaultGuard, build_replica_check
+from densetrain.train.goodput import GoodputLedger
+from densetrain.train.phases import PhaseTracker
+from densetrain.train.replay import replayed_step
 from densetrain.train.state import Progress, RunParts, StepReport
 from densetrain.train.step import train_step
+from densetrain.train.watchdog import HangWatchdog, start_watchdog
 
 
 def default_callbacks(job: JobConfig) -> list[Callback]:
@@ -64,12 +70,16 @@ class RunLoop:
     totals (throughput is never computed from tokens another process trained)."""
 
     def __init__(self, parts: RunParts, progress: Progress, evaluator: Evaluator,
-                 callbacks: Sequence[Callback], stop: Any = None) -> None:
+                 callbacks: Sequence[Callback], guard: FaultGuard,
+                 watchdog: HangWatchdog | None = None, ledger: GoodputLedger | None = None,
+                 stop: Any = None) -> None:
         self.parts = parts
         self.stop = stop
         """A `densetrain.checkpoint.PreemptionHandler` asked after each step (or None)."""
         self.progress = progress
         self.evaluator = evaluator
+        self.guard = guard
+        self.phases = PhaseTracker(watchdog, ledger)
         self.callbacks = list(callbacks)
         self.process_tokens = 0
         self.process_train_seconds = 0.0
@@ -79,23 +89,36 @@ class RunLoop:
         """The loop."""
         parts, progress = self.parts, self.progress
         total_steps = parts.training.steps
+        self.guard.start(parts)
         for callback in self.callbacks:
             callback.on_train_start(parts, progress)
         steps_run = 0
         while progress.step < total_steps:
+            self.phases.begin(progress.step + 1)
             report = self.step(total_steps)
             steps_run += 1
+            self.phases.enter("fault checks")
+            if self.guard.after_step(parts, progress, report):  # rolled back: the step is void
+                for callback in self.callbacks:
+                    callback.on_rollback(parts, progress)
+                self.phases.end()
+                continue
             if self.evaluator.due(report.step, total_steps):
+                self.phases.enter("evaluation")
                 report.eval = self.evaluator.evaluate(parts)
                 self.last_val_loss = report.eval.get("val_loss", self.last_val_loss)
+            self.phases.enter("callbacks")
             for callback in self.callbacks:
                 callback.on_step_end(parts, progress, report)
             # [checkpoint call site] preemption: a SIGTERM/SIGINT on any rank -> save, stop.
             if self.stop is not None and self.stop.should_stop():
+                self.phases.stop()
                 for callback in self.callbacks:
                     if isinstance(callback, Checkpointer):
                         callback.on_preempt(parts, progress)
                 return
+            self.phases.end()
+        self.phases.stop()  # the closing evaluation, checkpoint and sample are unwatched
         if steps_run == 0 and self.evaluator.interval > 0:  # a resumed, already finished run
             self.last_val_loss = self.evaluator.evaluate(parts).get("val_loss", math.nan)
         for callback in self.callbacks:
@@ -107,13 +130,17 @@ class RunLoop:
         start = time.perf_counter()
         global_batch = parts.batch_schedule.batch_size_at(progress.step)
         batch = parts.model.prepare_batch(parts.data.train.next_batch(global_batch), parts.device)
+        self.phases.enter("step")
+        step_args = dict(micro_batch_size=parts.training.micro_batch_size,
+                         grad_clip=parts.grad_clip, autocast=parts.autocast,
+                         nan_policy=parts.training.nan_policy, step=progress.step + 1)
         with collective_step(progress.step + 1):  # a failed collective names rank and step
-            output = train_step(
-                parts.model, parts.optimizer, batch,
-                micro_batch_size=parts.training.micro_batch_size, grad_clip=parts.grad_clip,
-                autocast=parts.autocast, nan_policy=parts.training.nan_policy,
-                step=progress.step + 1,
-            )
+            if self.guard.replay_due(progress.step + 1):  # computed twice and compared
+                output, self.guard.replay_mismatch = replayed_step(
+                    parts.model, parts.optimizer, batch, **step_args,
+                    tolerance=self.guard.config.sdc_replay_tolerance)
+            else:
+                output = train_step(parts.model, parts.optimizer, batch, **step_args)
         lr = float(parts.optimizer.param_groups[0]["lr"])
         parts.scheduler.step()
         tokens = global_batch * parts.seq_len
@@ -147,6 +174,14 @@ def check_optimizer_layout(path: Path, parts: RunParts) -> None:
         )
 
 
+def has_fault_record(path: Path) -> bool:
+    """True when checkpoint ``path`` holds the ``faults`` entry of the state tree."""
+    from densetrain.checkpoint.safe_pickle import read_dcp_metadata
+
+    stored = read_dcp_metadata(path).state_dict_metadata
+    return any(key.startswith("faults.") for key in stored)
+
+
 def resume(parts: RunParts, progress: Progress, *, allow_config_change: bool = False) -> str:
     """Load the newest checkpoint that verifies into the run (if any); returns its path or "".
 
@@ -163,7 +198,10 @@ def resume(parts: RunParts, progress: Progress, *, allow_config_change: bool = F
     check_resume_config(latest, parts.config_toml, allow_change=allow_config_change,
                         run_dir=parts.run_dir, vocab_size=parts.model_cfg.vocab_size)
     check_optimizer_layout(latest, parts)
-    load_checkpoint(latest, parts.state_tree(progress), verify=False)  # verified just above
+    tree = parts.state_tree(progress)
+    if not has_fault_record(latest):
+        del tree["faults"]  # saved before the record existed: no faults were recorded
+    load_checkpoint(latest, tree, verify=False)  # verified just above
     parts.optimizer.after_weights_loaded()
     if parts.is_main:
         print(f"resumed from {latest} (step {progress.step})", file=sys.stderr)
@@ -230,15 +268,19 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
     from densetrain.checkpoint.preemption import PreemptionHandler
     from densetrain.train.setup import _init_distributed, build_run
 
+    started = time.time()
     owns_process_group = not (dist.is_available() and dist.is_initialized())
     all_callbacks = default_callbacks(job) + list(callbacks or [])
     lock = None
     succeeded = False
+    watchdog: HangWatchdog | None = None
     try:
         # [checkpoint call site] one run per directory, before any work (collective).
         _init_distributed(job)
         lock = acquire_run_lock(job.logging.run_dir)
         parts, progress = build_run(job)
+        watchdog = start_watchdog(job.faults, rank=parts.rank, run_dir=parts.run_dir)
+        ledger = GoodputLedger(parts.run_dir, write=parts.is_main, started=started)
         resumed_from = ""
         if job.checkpoint.resume and job.checkpoint.enabled:
             resumed_from = resume(
@@ -249,9 +291,14 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
             loop = RunLoop(parts, progress,
                            Evaluator(interval=job.eval.interval,
                                      num_batches=job.eval.num_batches),
-                           all_callbacks, stop=preemption)
+                           all_callbacks,
+                           FaultGuard(job.faults, replica_check=build_replica_check(
+                               job.faults, job.parallel, parts.pmesh)),
+                           watchdog, ledger, stop=preemption)
             loop.run()
+        loop.phases.finish(progress.step)
         summary = summarize(parts, progress, loop, all_callbacks)
+        summary.update(ledger.summary())
         summary["resumed_from"] = resumed_from
         if preemption.requested:
             summary["preempted"] = preemption.signal_name
@@ -259,6 +306,8 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
             write_summary(parts.run_dir, summary)
         succeeded = True
     finally:
+        if watchdog is not None:
+            watchdog.close()
         for callback in all_callbacks:
             callback.close()  # the Checkpointer waits for a save still in flight
         if lock is not None:
