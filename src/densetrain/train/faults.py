@@ -39,7 +39,6 @@ from densetrain.train.state import Progress, RunParts, StepReport
 from densetrain.train.step import NonFiniteLossError
 
 
-
 class RunFaultError(NonFiniteLossError):
     """The run stopped on a numerical fault: non-finite steps or loss spikes past their caps,
     or corrupted replicas."""
