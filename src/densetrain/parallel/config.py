@@ -44,7 +44,9 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"
     """One of ``PP_SCHEDULES``."""
     pp_microbatches: int = 0
-    """Microbatches per step for the pipeline; 0 means pp (the fewest that fill it)."""
+    """Microbatches per step for the pipeline. 0: the trainer uses the rank's batch over
+    ``training.micro_batch_size`` (`parallel.build.pipeline_microbatches`; with the derived
+    micro-batch size that is pp); `parallel.pipeline.build_pipeline` called directly uses pp."""
     pp_virtual_stages: int = 1
     """Stages per pipeline rank; > 1 only with interleaved schedules (zbv needs exactly 2)."""
     pp_layer_split: list[int] = field(default_factory=list)
