@@ -32,7 +32,6 @@ REPO = Path(__file__).resolve().parents[2]
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 MARKERS = ("(cluster)", "(this suite)", "(your files)", "(hours)")
 PENDING_MARKERS = {  # (document, start of the command): why it cannot run as written
-    ("docs/planner.md", "densetrain plan --model my_model.toml"): "a user's own files",
     ("docs/scaling.md", "densetrain scaling sweep --out runs/sweep --jobs 2"):
         "the recorded sweep: hours of CPU",
     ("docs/scaling.md", "densetrain scaling fit runs/sweep/results.csv --bootstrap"):

@@ -40,6 +40,10 @@ class Callback:
         """Entries this callback adds to the run's summary."""
         return {}
 
+    def flush(self) -> None:  # noqa: B027 - optional hook, nothing to do by default
+        """Complete background work now (a save still being written), e.g. before a rollback
+        reads the checkpoint directory."""
+
     def close(self) -> None:
         """Release files, bars and threads (called after the run, also after an exception)."""
 
@@ -224,6 +228,11 @@ class Checkpointer(Callback):
         """The newest complete checkpoint written by this process."""
         last = self.writer.last_path if self.writer is not None else None
         return {"checkpoint": str(last) if last is not None else ""}
+
+    def flush(self) -> None:
+        """Wait until a save still being written is complete."""
+        if self.writer is not None:
+            self.writer.wait()
 
     def close(self) -> None:
         """Wait for a save still in flight (also after an exception)."""

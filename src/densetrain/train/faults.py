@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +134,9 @@ class FaultGuard:
                  ) -> None:
         self.config = config
         self.replica_check = replica_check
+        self.settle_checkpoints: Callable[[], None] = lambda: None
+        """Called before a rollback looks for its checkpoint: completes saves still written in
+        the background (the trainer sets it to flush its callbacks)."""
         self.last_good_check = 0
         """Step of the newest replica check or replay that passed (0: the start)."""
         self.replay_mismatch: str | None = None
@@ -245,6 +248,7 @@ class FaultGuard:
                 f" (faults.max_rollbacks={cfg.max_rollbacks}), so it stops: lower optim.lr, "
                 "raise schedule warmup or set optim.grad_clip"
             )
+        self.settle_checkpoints()  # an async save in flight becomes visible (or fails) first
         target = rollback_target(parts.checkpoint_dir, at_most)
         if target is None:
             raise RunFaultError(

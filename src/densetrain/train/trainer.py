@@ -79,11 +79,17 @@ class RunLoop:
         self.progress = progress
         self.evaluator = evaluator
         self.guard = guard
+        guard.settle_checkpoints = self.flush_callbacks
         self.phases = PhaseTracker(watchdog, ledger)
         self.callbacks = list(callbacks)
         self.process_tokens = 0
         self.process_train_seconds = 0.0
         self.last_val_loss = float("nan")
+
+    def flush_callbacks(self) -> None:
+        """Let every callback complete its background work (async checkpoint writes)."""
+        for callback in self.callbacks:
+            callback.flush()
 
     def run(self) -> None:
         """The loop."""
