@@ -42,12 +42,13 @@ TWO_RANK = {
 }
 FAST = ("ddp", "zero2", "tp_sp", "cp", "pp_1f1b")
 FOUR_RANK = {
-    "hsdp": ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"],
+    "hsdp": ["--parallel.dp_replicate=2", "--parallel.dp_shard=2",
+             "--training.micro_batch_size=2"],
     "fsdp_tp": ["--parallel.dp_shard=2", "--parallel.tp=2"],
     "cp_tp": ["--parallel.cp=2", "--parallel.tp=2", "--parallel.dp_shard=1"],
     "pp_fsdp": ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.pp_microbatches=2"],
     "pp_tp": ["--parallel.pp=2", "--parallel.tp=2", "--parallel.dp_shard=1"],
-    "pp_interleaved": ["--parallel.pp=2", "--parallel.dp_shard=1", "--model.num_layers=4",
+    "pp_interleaved": ["--parallel.pp=2", "--parallel.dp_shard=2", "--model.num_layers=4",
                        "--parallel.pp_schedule=interleaved_1f1b",
                        "--parallel.pp_virtual_stages=2", "--parallel.pp_microbatches=2"],
 }
