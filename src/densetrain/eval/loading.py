@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from densetrain.checkpoint.manager import find_training_checkpoint
 from densetrain.errors import DamagedFileError, UserError
 
 try:
@@ -37,20 +38,6 @@ def resolve_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def _training_checkpoint(path: Path) -> Path | None:
-    """The complete training checkpoint ``path`` names (itself, its latest, or its run's)."""
-    from densetrain.checkpoint import is_complete, latest_checkpoint
-
-    if is_complete(path):
-        return path
-    for directory in (path, path / "checkpoints"):
-        if directory.is_dir():
-            latest = latest_checkpoint(directory)
-            if latest is not None:
-                return latest
-    return None
 
 
 def _tokenizer_beside(directory: Path):
@@ -147,7 +134,8 @@ def load_for_eval(
         raise UserError(f"model path {directory} is not a directory; give a model, Hugging Face "
                         "or training checkpoint directory")
     explicit = load_tokenizer(tokenizer) if tokenizer else None
-    checkpoint = None if (directory / "config.json").is_file() else _training_checkpoint(directory)
+    has_config = (directory / "config.json").is_file()
+    checkpoint = None if has_config else find_training_checkpoint(directory)
     if checkpoint is not None:
         model, found = _load_checkpoint_model(checkpoint, explicit)
     elif (directory / "config.json").is_file():

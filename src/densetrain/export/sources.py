@@ -33,6 +33,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from densetrain.checkpoint.manager import find_training_checkpoint
 from densetrain.checkpoint.safe_pickle import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -55,19 +56,6 @@ class ExportSource:
     specs: dict[str, TensorSpec]
     read: Callable[[tuple[str, ...]], dict[str, torch.Tensor]]
     tokenizer: Tokenizer | None
-
-
-def _find_checkpoint(path: Path) -> Path | None:
-    from densetrain.checkpoint import is_complete, latest_checkpoint
-
-    if is_complete(path):
-        return path
-    for directory in (path, path / "checkpoints"):
-        if directory.is_dir():
-            latest = latest_checkpoint(directory)
-            if latest is not None:
-                return latest
-    return None
 
 
 def _default_corpus_tokenizer(data) -> Path:
@@ -181,7 +169,7 @@ def open_source(path: str | os.PathLike, *, tokenizer: str | os.PathLike | None 
     explicit = load_tokenizer(tokenizer) if tokenizer else None
     if (directory / "config.json").is_file():
         return _model_dir_source(directory, explicit)
-    checkpoint = _find_checkpoint(directory)
+    checkpoint = find_training_checkpoint(directory)
     if checkpoint is None:
         raise ValueError(
             f"{directory} is not a run directory (with checkpoints/), a checkpoint directory, a "

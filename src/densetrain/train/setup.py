@@ -57,20 +57,19 @@ def _build_optimizer(model: LaidOutModel, pmesh: ParallelMesh, job: JobConfig
 
 def init_from(model: torch.nn.Module, source: str) -> None:
     """Initial weights from a densetrain checkpoint or a Hugging Face model directory."""
-    from densetrain.checkpoint import is_complete, latest_checkpoint
+    from densetrain.checkpoint import find_training_checkpoint
 
     path = Path(source)
     if (path / "config.json").is_file():
         _init_from_hf(model, path)
         return
-    if not is_complete(path):
-        path = latest_checkpoint(path) or path
-    if not is_complete(path):
+    found = find_training_checkpoint(path)
+    if found is None:
         raise ValueError(
             f"training.init_from={source!r} is neither a Hugging Face model directory (with "
             "config.json) nor a complete densetrain checkpoint (or a directory holding one)"
         )
-    load_checkpoint(path, {"model": ModelState(model)})
+    load_checkpoint(found, {"model": ModelState(model)})
 
 
 def _init_from_hf(model: torch.nn.Module, path: Path) -> None:
