@@ -20,6 +20,7 @@ from densetrain.optim.interface import TrainingOptimizer
 from densetrain.parallel.mesh import ParallelMesh
 from densetrain.parallel.model import LaidOutModel
 from densetrain.train.device import autocast_factory, resolve_device
+from densetrain.train.host_malloc import tune_host_allocator
 from densetrain.train.metrics import device_peak_flops
 from densetrain.train.state import ModelSizes, Progress, RunParts
 
@@ -117,6 +118,7 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
 
     rank, world_size, local_rank = _init_distributed(job)
     device = resolve_device(job.training.device, local_rank=local_rank)
+    allocator_note = tune_host_allocator(job.training.host_allocator, device.type)
     dims = ParallelDims.from_config(job.parallel, world_size)
     job.validate(world_size=world_size, dp_size=dims.dp_size)
     pmesh = dims.build_mesh(device.type)
@@ -145,6 +147,7 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         _announce(config_toml, counts, world_size, device, peak, peak_source)
+        print(allocator_note, file=sys.stderr, flush=True)
     parts = RunParts(
         model=model, model_cfg=model_cfg, optimizer=optimizer,
         scheduler=build_lr_scheduler(optimizer.torch_optimizer, job.schedule, training.steps),
