@@ -13,7 +13,8 @@ import math
 import re
 from dataclasses import dataclass
 
-DTYPES = ("fp32", "bf16")
+DTYPES = ("fp32", "bf16", "float8")
+FLOAT8_RECIPES = ("tensorwise", "rowwise")  # see densetrain.parallel.float8
 HOST_ALLOCATORS = ("tuned", "system")  # see densetrain.train.host_malloc
 NAN_POLICIES = ("stop", "skip")
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
@@ -34,7 +35,10 @@ class TrainingConfig:
             or under pipeline parallelism the rank's batch over the pipeline microbatches
             (``parallel.pp_microbatches``, else ``pp``), so one batch size runs on any layout.
         seed: seed of weight initialisation and of every other random choice of the trainer.
-        dtype: ``fp32``, or ``bf16`` (bf16 autocast with fp32 master weights and optimizer state).
+        dtype: ``fp32``, ``bf16`` (bf16 autocast with fp32 master weights and optimizer state),
+            or ``float8``: the blocks' linear layers in float8 through torchao (the rest as
+            ``bf16``; needs ``densetrain[float8]``; faster only on GPUs with float8 tensor cores).
+        float8_recipe: float8 scaling, ``tensorwise`` (one scale per tensor) or ``rowwise``.
         device: ``auto`` (first GPU, else CPU), ``cpu``, ``cuda``, ``cuda:N`` or ``mps``.
         compile: apply ``torch.compile`` to each block and to the chunked loss kernel.
         loss_chunk_size: positions per chunk of the output projection + cross-entropy; 0 = the
@@ -53,6 +57,7 @@ class TrainingConfig:
     micro_batch_size: int = 0
     seed: int = 0
     dtype: str = "fp32"
+    float8_recipe: str = "tensorwise"
     device: str = "auto"
     compile: bool = False
     loss_chunk_size: int = 0
@@ -67,6 +72,7 @@ class TrainingConfig:
         for name in ("micro_batch_size", "global_batch_tokens", "loss_chunk_size", "seed"):
             _int_at_least(f"training.{name}", getattr(self, name), 0)
         _choice("training.dtype", self.dtype, DTYPES)
+        _choice("training.float8_recipe", self.float8_recipe, FLOAT8_RECIPES)
         _choice("training.nan_policy", self.nan_policy, NAN_POLICIES)
         _choice("training.host_allocator", self.host_allocator, HOST_ALLOCATORS)
         if not _DEVICE_PATTERN.match(self.device):
