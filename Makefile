@@ -18,10 +18,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# glibc would serve the large per-step tensors with mmap/munmap and fault them in again every
-# step; keeping them in the heap measured +14% tokens/s on CPU (benchmarks/RESULTS.md).
+# The trainer sets the host allocator itself (training.host_allocator, train/host_malloc.py).
 train: $(STAMP)
-	GLIBC_TUNABLES=$${GLIBC_TUNABLES:-glibc.malloc.mmap_max=0} $(VENV)/bin/densetrain train $(ARGS)
+	$(VENV)/bin/densetrain train $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -1,4 +1,5 @@
-"""Training-step throughput, MFU and peak RSS on CPU: densetrain against Hugging Face transformers.
+"""Training-step throughput, MFU and peak RSS on CPU: densetrain against a plain GPT and
+Hugging Face transformers.
 
 Timing: every variant is built in one process and the variants take turns step by step (the order
 reversed every round), so that load from other processes on a shared machine hits them alike;
@@ -8,10 +9,16 @@ the same random token batches, fused AdamW (β2 0.95, weight decay 0.1) and clip
 
 * densetrain: the model's ``forward`` with targets (the chunked output projection + loss), through
   the trainer's own `train_step`; eager or ``torch.compile`` (per block), fp32 or bf16 autocast.
+* plain: ``plain_gpt.PlainGPT`` (GPT-2 shape only), a one-module GPT written the way the
+  minimal single-file GPTs are: eager or ``torch.compile`` of the whole model, SDPA, the full
+  logits + ``F.cross_entropy``, torch's default AdamW (no fused kernel), clipping at 1.0.
 * transformers: ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` with SDPA attention and
   ``labels=`` loss; fp32 or bf16 autocast.
 
-MFU uses `flops_per_token_palm` and a matmul-probe peak measured in the parent before the runs.
+MFU uses `flops_per_token_palm` and a matmul-probe peak measured in the parent before and after
+the runs (both printed; the higher is the ceiling). ``--ratios A/B,...`` prints the per-round
+ratio of step times (B's time over A's, i.e. A's speed-up) with its median and spread: rounds
+are adjacent in time, so load from other processes hits both sides of a ratio alike.
 Usage: ``python benchmarks/bench_train.py [--models tiny,gpt2] [--rounds 5] [--rss]``.
 Allocator: ``--malloc tuned`` sets ``GLIBC_TUNABLES`` (mmap off, no trimming) in the children.
 """
@@ -34,6 +41,9 @@ VARIANTS = {
     "densetrain-fp32-compile": ("densetrain", "fp32", True),
     "densetrain-bf16": ("densetrain", "bf16", False),
     "densetrain-bf16-compile": ("densetrain", "bf16", True),
+    "plain-fp32": ("plain", "fp32", False),
+    "plain-fp32-compile": ("plain", "fp32", True),
+    "plain-bf16-compile": ("plain", "bf16", True),
     "hf-fp32": ("hf", "fp32", False),
     "hf-bf16": ("hf", "bf16", False),
 }
@@ -136,11 +146,39 @@ def _hf_step(spec: dict, dtype: str):
     return step
 
 
+def _plain_step(spec: dict, dtype: str, compile_: bool):
+    from plain_gpt import PlainGPT, plain_adamw
+
+    if spec["family"] != "gpt2":
+        raise SystemExit(f"the plain GPT has the GPT-2 architecture only, not {spec['family']}")
+    model = PlainGPT(vocab=spec["vocab"], seq=spec["seq"], dim=spec["dim"],
+                     layers=spec["num_layers"], heads=spec["num_heads"])
+    opt = plain_adamw(model)
+    forward = torch.compile(model) if compile_ else model
+    autocast = (
+        (lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+        if dtype == "bf16" else contextlib.nullcontext
+    )
+
+    def step(batch) -> float:
+        with autocast():
+            loss = forward(batch.inputs, batch.targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
 def _stepper(variant: str, spec: dict):
     impl, dtype, compile_ = VARIANTS[variant]
     torch.manual_seed(0)
     if impl == "densetrain":
         return _densetrain_step(spec, dtype, compile_)[1]
+    if impl == "plain":
+        return _plain_step(spec, dtype, compile_)
     return _hf_step(spec, dtype)
 
 
@@ -153,8 +191,10 @@ def _batches(spec: dict, count: int):
         yield Batch(inputs=tokens[:, :-1].contiguous(), targets=tokens[:, 1:].contiguous())
 
 
-def time_alternating(variants: list[str], model_name: str, rounds: int, warmup: int) -> dict:
-    """Median step seconds of each variant, all in this process, taking turns step by step."""
+def time_alternating(variants: list[str], model_name: str, rounds: int,
+                     warmup: int) -> dict[str, list[float]]:
+    """Step seconds of each variant per timed round, all in this process, taking turns step by
+    step (the order reversed every round)."""
     spec = MODELS[model_name]
     steppers = {v: _stepper(v, spec) for v in variants}
     times: dict[str, list[float]] = {v: [] for v in variants}
@@ -165,7 +205,18 @@ def time_alternating(variants: list[str], model_name: str, rounds: int, warmup: 
             steppers[variant](batch)
             if index >= warmup:
                 times[variant].append(time.perf_counter() - start)
-    return {v: statistics.median(t) for v, t in times.items()}
+    return times
+
+
+def ratio_rows(times: dict[str, list[float]], pairs: list[tuple[str, str]]) -> list[dict]:
+    """Per-round speed-up of A over B (B's step time / A's) for each pair, with median and
+    spread (min, max)."""
+    rows = []
+    for a, b in pairs:
+        per_round = [tb / ta for ta, tb in zip(times[a], times[b], strict=True)]
+        rows.append({"pair": f"{a}/{b}", "median": statistics.median(per_round),
+                     "min": min(per_round), "max": max(per_round), "rounds": per_round})
+    return rows
 
 
 def run_child(variant: str, model_name: str, steps: int) -> dict:
@@ -202,6 +253,8 @@ def main() -> None:
                         help="allocator of the RSS children (timing uses this process's)")
     parser.add_argument("--child", default="")
     parser.add_argument("--json", default="", help="also write all results to this file")
+    parser.add_argument("--ratios", default="",
+                        help="pairs A/B,... whose per-round speed-up A over B is reported")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_child(args.child, args.models, args.rounds)))
@@ -209,15 +262,25 @@ def main() -> None:
     from densetrain.models import flops_per_token_palm
     from densetrain.train.metrics import measure_cpu_peak_flops
 
-    peaks = {d: measure_cpu_peak_flops(d, seconds=1.0) for d in ("fp32", "bf16")}
-    print(f"peak (matmul probe, {torch.get_num_threads()} threads): fp32 "
-          f"{peaks['fp32'] / 1e12:.3f}, bf16 {peaks['bf16'] / 1e12:.3f} TFLOP/s", flush=True)
+    def probe() -> dict[str, float]:
+        found = {d: measure_cpu_peak_flops(d, seconds=1.0) for d in ("fp32", "bf16")}
+        print(f"peak (matmul probe, {torch.get_num_threads()} threads): fp32 "
+              f"{found['fp32'] / 1e12:.3f}, bf16 {found['bf16'] / 1e12:.3f} TFLOP/s", flush=True)
+        return found
+
+    peaks = probe()
     variants = args.variants.split(",")
+    pairs = [tuple(p.split("/")) for p in args.ratios.split(",") if p]
     results: list[dict] = []
+    ratios: list[dict] = []
     for model_name in args.models.split(","):
         spec = MODELS[model_name]
-        medians = time_alternating(variants, model_name, args.rounds, args.warmup)
-        for variant, step_s in medians.items():
+        times = time_alternating(variants, model_name, args.rounds, args.warmup)
+        for row in ratio_rows(times, pairs):
+            ratios.append({"model": model_name, **row})
+            print(json.dumps(ratios[-1]), flush=True)
+        for variant, step_times in times.items():
+            step_s = statistics.median(step_times)
             row = {
                 "model": model_name, "variant": variant, "median_step_s": step_s,
                 "tokens_per_s": spec["batch"] * spec["seq"] / step_s,
@@ -226,10 +289,15 @@ def main() -> None:
             }
             results.append(row)
             print(json.dumps(row), flush=True)
+    after = probe()
+    peaks = {d: max(peaks[d], after[d]) for d in peaks}
     print(_table(results, peaks, args.malloc))
+    for r in ratios:
+        print(f"{r['model']} {r['pair']}: median {r['median']:.3f} "
+              f"(min {r['min']:.3f}, max {r['max']:.3f}, {len(r['rounds'])} rounds)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"peaks": peaks, "results": results}, f, indent=2)
+            json.dump({"peaks": peaks, "results": results, "ratios": ratios}, f, indent=2)
 
 
 def _table(results: list[dict], peaks: dict, malloc: str) -> str:

@@ -13,10 +13,15 @@ Weights: fp32 master weights and AdamW states (16 bytes/parameter) when they fit
 of the GPU's memory, else bf16 weights and states (8 bytes/parameter, reported as
 ``weights=bf16``): 8B with fp32 master weights needs 128 GB before activations.
 MFU = tokens/s × `flops_per_token_palm` ÷ the datasheet bf16 dense peak
-(`densetrain.train.metrics.ACCELERATOR_PEAK_TFLOPS`).
+(`densetrain.train.metrics.ACCELERATOR_PEAK_TFLOPS`), for float8 runs too (the convention of
+float8 training reports), with model TFLOP/s beside it.
 
-Usage: ``python benchmarks/gpu.py [--sizes 1b,3b,8b] [--seq 4096] [--steps 8]``;
-``--smoke`` runs shrunken models on CPU to check the script itself.
+Each row also gives the time to the first step (build, compile and the first step) and the
+planner's memory prediction for the same layout (`densetrain.planner.evaluate_layout` on the
+cluster entry of the GPU, e.g. ``h200-141gb``) against ``torch.cuda.max_memory_allocated``.
+
+Usage: ``python benchmarks/gpu.py [--sizes 1b,3b,8b] [--dtypes bf16,float8] [--seq 4096]
+[--steps 8] [--json FILE]``; ``--smoke`` runs shrunken models on CPU to check the script.
 """
 
 from __future__ import annotations
@@ -66,8 +71,25 @@ def _fast_init(model: torch.nn.Module, std: float) -> None:
             param.normal_(0.0, std)
 
 
-def run_child(size: str, seq: int, steps: int, warmup: int, smoke: bool) -> dict:
-    """Build, compile and time one size; return its figures."""
+def planner_memory_gib(cfg, seq: int, micro: int, ac: str, device_name: str) -> float | None:
+    """The planner's peak-memory prediction for one GPU running this benchmark's layout (fp32
+    master weights, bf16 activations), or None when no cluster entry matches the GPU."""
+    from densetrain.planner import Layout, PlanSettings, evaluate_layout, get_cluster
+
+    name = next((key for gpu, key in (("H200", "h200-141gb"), ("H100", "h100-80gb"),
+                                      ("A100", "a100-80gb")) if gpu in device_name), None)
+    if name is None:
+        return None
+    layout = Layout(micro_batch_size=micro, activation_checkpointing=ac)
+    settings = PlanSettings(precision="fp32", activation_bytes=2)
+    row = evaluate_layout(cfg, seq, micro, layout, get_cluster(name), settings)
+    return row["mem_total"] / 2**30
+
+
+def run_child(size: str, seq: int, steps: int, warmup: int, smoke: bool,
+              dtype: str = "bf16") -> dict:
+    """Build, compile and time one size in ``dtype`` (bf16 or float8); return its figures."""
+    build_start = time.perf_counter()
     from densetrain.data import Batch
     from densetrain.models import Transformer, flops_per_token_palm, param_counts
     from densetrain.optim.interface import StandardOptimizer
@@ -87,6 +109,10 @@ def run_child(size: str, seq: int, steps: int, warmup: int, smoke: bool) -> dict
     master_fp32 = params * 16 < 0.55 * memory
     with torch.device("meta"):
         model = Transformer(cfg)
+    if dtype == "float8":
+        from densetrain.parallel.float8 import convert_blocks_to_float8
+
+        convert_blocks_to_float8(model, "tensorwise")
     pcfg = ParallelConfig(activation_checkpointing=ac)
     model = parallelize(model, ParallelDims.from_config(pcfg, 1).build_mesh("cpu"), pcfg,
                         compile=not smoke)
@@ -111,21 +137,28 @@ def run_child(size: str, seq: int, steps: int, warmup: int, smoke: bool) -> dict
         out = train_step(laid_out, training_optimizer, batch, micro_batch_size=micro,
                          grad_clip=1.0, autocast=autocast, nan_policy="stop", step=i + 1)
         synchronize(device)
+        if i == 0:
+            first_step_s = time.perf_counter() - build_start
         if i >= warmup:
             times.append(time.perf_counter() - start)
     step_s = sorted(times)[len(times) // 2]
     tokens_per_s = micro * seq / step_s
     flops_per_token = flops_per_token_palm(cfg, seq)
     peak, source = device_peak_flops(device, "bf16")
+    device_name = "cpu" if smoke else torch.cuda.get_device_name(device)
+    predicted = (planner_memory_gib(cfg, seq, micro, ac, device_name)
+                 if master_fp32 and not smoke else None)
     return {
-        "size": size, "params_b": params / 1e9, "seq": seq, "micro_batch": micro,
+        "size": size, "dtype": dtype, "params_b": params / 1e9, "seq": seq,
+        "micro_batch": micro, "time_to_first_step_s": first_step_s,
+        "planner_mem_gib": predicted,
         "activation_checkpointing": ac, "weights": "fp32-master" if master_fp32 else "bf16",
         "median_step_s": step_s, "tokens_per_s": tokens_per_s,
         "tflops_per_s": tokens_per_s * flops_per_token / 1e12,
         "mfu": tokens_per_s * flops_per_token / peak, "peak": source,
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if not smoke else 0.0,
         "loss": float(out.loss),
-        "device": source if smoke else torch.cuda.get_device_name(device),
+        "device": device_name,
     }
 
 
@@ -133,43 +166,55 @@ def main() -> None:
     """Run each size in a child process and print a table (and JSON lines)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="1b,3b,8b")
+    parser.add_argument("--dtypes", default="bf16", help="bf16 and/or float8 (comma-separated)")
+    parser.add_argument("--json", default="", help="also write the rows to this file")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=150.0, help="seconds per size")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks only)")
     parser.add_argument("--child", default="")
+    parser.add_argument("--child-dtype", default="bf16")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_child(args.child, args.seq, args.steps, args.warmup, args.smoke)))
+        print(json.dumps(run_child(args.child, args.seq, args.steps, args.warmup, args.smoke,
+                                   args.child_dtype)))
         return
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py needs a CUDA GPU (or --smoke to check it on CPU)")
     rows = []
-    for size in args.sizes.split(","):
+    runs = [(size, dtype) for size in args.sizes.split(",") for dtype in args.dtypes.split(",")]
+    for size, dtype in runs:
         cmd = [sys.executable, __file__, "--child", size, "--seq", str(args.seq),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--child-dtype", dtype]
         cmd += ["--smoke"] if args.smoke else []
         env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                                  env=env, check=False)
         except subprocess.TimeoutExpired:
-            print(f"{size}: timed out after {args.timeout:.0f} s", flush=True)
+            print(f"{size} {dtype}: timed out after {args.timeout:.0f} s", flush=True)
             continue
         if out.returncode != 0:
-            print(f"{size}: failed\n{out.stderr[-2000:]}", flush=True)
+            print(f"{size} {dtype}: failed\n{out.stderr[-2000:]}", flush=True)
             continue
         row = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("\n| size | params | weights | AC | seq × micro | tokens/s | TFLOP/s | MFU | peak mem |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| size | dtype | params | weights | AC | seq × micro | tokens/s | TFLOP/s | MFU | "
+          "peak mem | planner mem | first step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['size']} | {r['params_b']:.2f}B | {r['weights']} | "
+        planned = r["planner_mem_gib"]
+        planned = "-" if planned is None else (
+            f"{planned:.1f} GiB ({planned / max(r['peak_mem_gib'], 1e-9) - 1:+.0%})")
+        print(f"| {r['size']} | {r['dtype']} | {r['params_b']:.2f}B | {r['weights']} | "
               f"{r['activation_checkpointing']} | {r['seq']} × {r['micro_batch']} | "
               f"{r['tokens_per_s']:,.0f} | {r['tflops_per_s']:.0f} | {100 * r['mfu']:.1f}% | "
-              f"{r['peak_mem_gib']:.1f} GiB |")
+              f"{r['peak_mem_gib']:.1f} GiB | {planned} | {r['time_to_first_step_s']:.0f} s |")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -72,13 +72,13 @@ def _config_from_path(path_str: str):
     """The ``ModelConfig`` of a densetrain or Hugging Face model directory, else None."""
     from pathlib import Path
 
+    config_path = Path(path_str) / "config.json"
+    if not config_path.is_file():
+        return None  # a preset name: answered without importing torch
     from densetrain.models import ModelConfig
     from densetrain.models.hf import config_from_hf
     from densetrain.models.hf.files import read_json
 
-    config_path = Path(path_str) / "config.json"
-    if not config_path.is_file():
-        return None
     data = read_json(config_path)
     return config_from_hf(data) if "model_type" in data else ModelConfig.from_dict(data)
 

@@ -1,7 +1,17 @@
-"""densetrain.models: the configurable dense decoder, its losses and its sizing formulas."""
+"""densetrain.models: the configurable dense decoder, its losses and its sizing formulas.
+
+The configs, presets and sizing formulas are plain Python and import at once; the torch parts
+(``Transformer``, the losses) import on first use (PEP 562 module ``__getattr__``), so that
+``densetrain model-info``, ``presets`` and the planner answer without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from densetrain.models.config import ModelConfig, RopeScaling
-from densetrain.models.loss import LossOutput, chunked_lm_loss, cross_entropy_loss
+from densetrain.models.presets import get_preset, list_presets
 from densetrain.models.sizing import (
     ParamCounts,
     flops_per_token_chinchilla,
@@ -9,7 +19,17 @@ from densetrain.models.sizing import (
     kv_cache_bytes_per_token,
     param_counts,
 )
-from densetrain.models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from densetrain.models.loss import LossOutput, chunked_lm_loss, cross_entropy_loss
+    from densetrain.models.transformer import Transformer
+
+_TORCH_EXPORTS = {
+    "LossOutput": "densetrain.models.loss",
+    "chunked_lm_loss": "densetrain.models.loss",
+    "cross_entropy_loss": "densetrain.models.loss",
+    "Transformer": "densetrain.models.transformer",
+}
 
 __all__ = [
     "LossOutput",
@@ -21,12 +41,17 @@ __all__ = [
     "cross_entropy_loss",
     "flops_per_token_chinchilla",
     "flops_per_token_palm",
+    "get_preset",
     "kv_cache_bytes_per_token",
+    "list_presets",
     "param_counts",
 ]
 
-# --- presets (get_preset, list_presets) are exported below this line ---
 
-from densetrain.models.presets import get_preset, list_presets  # noqa: E402
-
-__all__ += ["get_preset", "list_presets"]
+def __getattr__(name: str) -> Any:
+    module = _TORCH_EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from densetrain.models.config import ModelConfig
 from densetrain.parallel.config import ParallelConfig
+from densetrain.parallel.float8 import convert_blocks_to_float8
 from densetrain.parallel.mesh import ParallelDims, ParallelMesh
 from densetrain.parallel.model import LaidOutModel, model_loss_fn
 
@@ -51,22 +52,30 @@ def build_model(
     loss_chunk_size: int | None = None,
     local_batch_size: int | None = None,
     micro_batch_size: int | None = None,
+    float8_recipe: str = "",
 ) -> LaidOutModel:
     """``model_cfg`` laid out on ``pmesh`` as ``parallel_cfg`` says, initialised from ``seed``.
 
     ``loss_chunk_size`` selects the chunked output head (None: full logits). Pipeline parallel
-    needs ``local_batch_size`` and ``micro_batch_size`` to size its microbatches.
+    needs ``local_batch_size`` and ``micro_batch_size`` to size its microbatches. A
+    ``float8_recipe`` runs the blocks' linear layers in float8 (`parallel.float8`).
     """
     from densetrain.models import Transformer
     from densetrain.parallel.parallelize import init_weights, parallelize
 
     chunk = loss_chunk_size if loss_chunk_size and loss_chunk_size > 0 else None
+    if float8_recipe and pmesh.dims.tp > 1:
+        raise ValueError(f"training.dtype=float8 does not compose with parallel.tp="
+                         f"{pmesh.dims.tp} (float8 tensor-parallel plans are not built); use "
+                         "parallel.tp=1 or training.dtype=bf16")
     if pmesh.dims.pp > 1:
         return _build_pipelined(model_cfg, parallel_cfg, pmesh, device=device, seed=seed,
                                 compile=compile, local_batch_size=local_batch_size,
-                                micro_batch_size=micro_batch_size)
+                                micro_batch_size=micro_batch_size, float8_recipe=float8_recipe)
     with torch.device("meta"):
         module = Transformer(model_cfg)
+    if float8_recipe:
+        convert_blocks_to_float8(module, float8_recipe)
     module = parallelize(module, pmesh, parallel_cfg, compile=compile)
     module.to_empty(device=device)
     init_weights(module, seed)
@@ -76,7 +85,8 @@ def build_model(
 
 def _build_pipelined(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, pmesh: ParallelMesh,
                      *, device: torch.device, seed: int, compile: bool,
-                     local_batch_size: int | None, micro_batch_size: int | None) -> LaidOutModel:
+                     local_batch_size: int | None, micro_batch_size: int | None,
+                     float8_recipe: str) -> LaidOutModel:
     """This rank's stages (parallelized, initialised), their schedule, one `PipelinedModel`."""
     from densetrain.models import Transformer
     from densetrain.models.loss import cross_entropy_loss
@@ -101,7 +111,8 @@ def _build_pipelined(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, pmesh
 
     def make_stage() -> torch.nn.Module:
         with torch.device(device):
-            return Transformer(model_cfg)
+            stage = Transformer(model_cfg)
+        return convert_blocks_to_float8(stage, float8_recipe) if float8_recipe else stage
 
     def stage_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
         return cross_entropy_loss(logits_BSV, targets_BS, ignore_index=model_cfg.ignore_index,

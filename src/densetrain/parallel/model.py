@@ -101,7 +101,7 @@ class LaidOutModel:
     def prepare_batch(self, batch: Any, device: torch.device) -> Any:
         """``batch`` on ``device``; with context parallel, this rank's load-balanced share of
         every sequence (`parallel.context.shard_sequence`) with its global positions."""
-        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+        moved = {k: (_to_device(v, device) if isinstance(v, torch.Tensor) else v)
                  for k, v in vars(batch).items()}
         batch = type(batch)(**moved)
         if self.pipeline is not None and (batch.document_ids is not None
@@ -230,3 +230,11 @@ class LaidOutModel:
         for part in parts:
             merged.update(part)
         return merged
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``; a host-to-GPU copy goes through pinned memory so that it is
+    asynchronous (from pageable memory ``non_blocking`` copies synchronously)."""
+    if device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)

@@ -20,6 +20,7 @@ from densetrain.optim.interface import TrainingOptimizer
 from densetrain.parallel.mesh import ParallelMesh
 from densetrain.parallel.model import LaidOutModel
 from densetrain.train.device import autocast_factory, resolve_device
+from densetrain.train.host_malloc import tune_host_allocator
 from densetrain.train.metrics import device_peak_flops
 from densetrain.train.state import ModelSizes, Progress, RunParts
 
@@ -105,6 +106,12 @@ def _announce(config_toml: str, counts: ParamCounts, world_size: int, device: to
     )
 
 
+def _bf16_if_float8(dtype: str) -> str:
+    """float8 runs everything but the blocks' linear layers under bf16 autocast, and their MFU
+    is stated against the bf16 peak (the convention of float8 training reports)."""
+    return "bf16" if dtype == "float8" else dtype
+
+
 def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
     """Everything the loop needs, built from ``job`` (validated here with the real world
     size), and fresh progress counters."""
@@ -117,6 +124,7 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
 
     rank, world_size, local_rank = _init_distributed(job)
     device = resolve_device(job.training.device, local_rank=local_rank)
+    allocator_note = tune_host_allocator(job.training.host_allocator, device.type)
     dims = ParallelDims.from_config(job.parallel, world_size)
     job.validate(world_size=world_size, dp_size=dims.dp_size)
     pmesh = dims.build_mesh(device.type)
@@ -131,6 +139,7 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
         compile=training.compile, loss_chunk_size=training.loss_chunk_size,
         local_batch_size=dims.local_batch_size(training.global_batch_size),
         micro_batch_size=training.micro_batch_size,
+        float8_recipe=training.float8_recipe if training.dtype == "float8" else "",
     )
     if training.init_from:
         init_from(model.module, training.init_from)
@@ -140,16 +149,18 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
     if job.logging.peak_tflops > 0:
         peak, peak_source = job.logging.peak_tflops * 1e12, "logging.peak_tflops"
     else:
-        peak, peak_source = device_peak_flops(device, training.dtype)
+        peak, peak_source = device_peak_flops(device, _bf16_if_float8(training.dtype))
     config_toml = job_config_to_toml(job)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         _announce(config_toml, counts, world_size, device, peak, peak_source)
+        print(allocator_note, file=sys.stderr, flush=True)
     parts = RunParts(
         model=model, model_cfg=model_cfg, optimizer=optimizer,
         scheduler=build_lr_scheduler(optimizer.torch_optimizer, job.schedule, training.steps),
         batch_schedule=job.batch_size_schedule(dims.dp_size), data=data, device=device,
-        autocast=autocast_factory(device, training.dtype), pmesh=pmesh, training=training,
+        autocast=autocast_factory(device, _bf16_if_float8(training.dtype)), pmesh=pmesh,
+        training=training,
         seq_len=job.data.seq_len,
         grad_clip=job.optim.grad_clip, rank=rank, world_size=world_size, run_dir=run_dir,
         checkpoint_dir=Path(job.checkpoint.dir) if job.checkpoint.dir else run_dir / "checkpoints",

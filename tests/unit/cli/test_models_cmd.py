@@ -120,3 +120,24 @@ def test_convert_unsupported_model_type(tmp_path, capsys):
     assert main(["convert", "--from-hf", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "'mamba'" in err and "llama" in err
+
+
+def test_model_info_and_presets_answer_without_torch():
+    """`model-info PRESET` and `presets` read configs and formulas only: torch is never
+    imported (seconds of start-up), yet ``densetrain.models.Transformer`` still imports after."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, contextlib, io\n"
+        "from densetrain.cli.main import main\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out):\n"
+        "    assert main(['model-info', 'llama3-8b', '--json']) == 0\n"
+        "    assert main(['presets', '--family', 'llama']) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "assert '8030261248' in out.getvalue()\n"
+        "from densetrain.models import Transformer, chunked_lm_loss\n"
+        "assert 'torch' in sys.modules and Transformer.__name__ == 'Transformer'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
