@@ -21,6 +21,7 @@ from torch import nn
 from densetrain.models.config import ModelConfig
 from densetrain.models.norms import build_head_norm
 from densetrain.models.positions import alibi_bias, apply_rope
+from densetrain.models.relative import RelativePositionXL
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.q_dim, config.dim, bias=config.attn_out_bias)
         self.q_norm = build_head_norm(config) if config.qk_norm else None
         self.k_norm = build_head_norm(config) if config.qk_norm else None
-        self.attention_fn: AttentionFn = scaled_dot_product
+        relative = config.position_embedding == "relative_xl"
+        self.relative = RelativePositionXL(config) if relative else None
+        self.attention_fn: AttentionFn = self.relative.attend if relative else scaled_dot_product
         """The attention kernel (see `AttentionFn`); ``densetrain.parallel`` may replace it."""
 
     def forward(

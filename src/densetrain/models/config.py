@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 NORM_TYPES = ("layernorm", "rmsnorm")
-POSITION_EMBEDDINGS = ("rope", "learned", "alibi", "none")
+POSITION_EMBEDDINGS = ("rope", "learned", "alibi", "relative_xl", "none")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
 BLOCK_TYPES = ("sequential", "parallel")
 NORM_POSITIONS = ("pre", "post")
@@ -91,7 +91,9 @@ class ModelConfig:
 
     # --- positions ---
     position_embedding: str = "rope"
-    """"rope", "learned" (absolute table: GPT-2, OPT), "alibi" (BLOOM) or "none"."""
+    """"rope", "learned" (absolute table: GPT-2, OPT), "alibi" (BLOOM), "relative_xl"
+    (Transformer-XL relative positions: Gopher, Chinchilla; see ``models/relative.py``) or
+    "none"."""
     learned_pos_offset: int = 0
     """Rows skipped at the start of the learned position table (OPT uses 2)."""
     rope_theta: float = 10000.0
@@ -209,6 +211,8 @@ class ModelConfig:
                 raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
             if self.rope_scaling is not None:
                 self.rope_scaling.validate()
+        if self.position_embedding == "relative_xl":
+            _check_relative_xl(self)
         if self.learned_pos_offset < 0:
             raise ValueError(f"learned_pos_offset must be >= 0, got {self.learned_pos_offset}")
         if self.sliding_window is not None and self.sliding_window <= 0:
@@ -274,6 +278,16 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig fields {unknown}; allowed: {sorted(names)}")
         return cls(**data)
+
+
+def _check_relative_xl(cfg: ModelConfig) -> None:
+    if cfg.dim % 2 != 0:
+        raise ValueError(f'position_embedding="relative_xl" needs an even dim, got {cfg.dim}')
+    if cfg.sliding_window is not None:
+        raise ValueError(
+            'position_embedding="relative_xl" does not combine with sliding_window (a rolling '
+            f"KV cache has no key order to shift by); got sliding_window={cfg.sliding_window}"
+        )
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

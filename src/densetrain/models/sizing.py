@@ -41,6 +41,8 @@ def layer_params(cfg: ModelConfig) -> int:
         attn += cfg.dim
     if cfg.qk_norm:
         attn += 2 * cfg.head_dim
+    if cfg.position_embedding == "relative_xl":
+        attn += cfg.dim * cfg.q_dim + 2 * cfg.q_dim  # W_R, u, v (models/relative.py)
     up_matrices = 2 if cfg.activation == "swiglu" else 1
     mlp = (up_matrices + 1) * cfg.dim * cfg.ffn_dim
     if cfg.mlp_bias:

@@ -23,6 +23,7 @@ and where each comes from:
 - sequence parallel: the per-cp-rank sequence is a multiple of tp;
 - context parallel: the sequence is a multiple of 2 x cp (load-balanced chunks); attention is
   plain causal (no ALiBi, no sliding window shorter than the sequence, no document masks);
+- Transformer-XL relative positions (``position_embedding="relative_xl"``): tp = cp = 1;
 - data parallel: ZeRO-1/2 only on pure data parallelism (dp_shard, no tp/pp/cp/dp_replicate);
   replicated DP without sharding (DDP) not with tp or pp;
 - batch: the global batch splits into dp x micro_batch_size; pipeline microbatches divide the
@@ -117,6 +118,13 @@ def _not_plain_causal(m: Any, r: RunShape) -> list[str]:
     return found
 
 
+def _relative_xl_sharded(f: Any, m: Any) -> Any:
+    """Transformer-XL relative attention (``models/relative.py``) on a layout that splits heads
+    (tp: the plan has no split of W_R, u, v) or the sequence (cp: ring attention replaces the
+    layer's attention function and would drop the position scores)."""
+    return ((f.tp > 1) | (f.cp > 1)) & (getattr(m, "position_embedding", None) == "relative_xl")
+
+
 def _rounds_ok(f: Any, r: RunShape) -> Any:
     count = _microbatches(f, r)
     rounds = _select(count // f.pp > 1, count // f.pp, 1)
@@ -166,6 +174,11 @@ RULES: tuple[Rule, ...] = (
          lambda f, m, r: (f.cp > 1) & bool(_not_plain_causal(m, r)),
          lambda f, m, r: f"parallel.cp={f.cp} supports the plain causal mask only; this run has "
          + "; ".join(_not_plain_causal(m, r))),
+    Rule("relative_xl_without_tp_cp",
+         lambda f, m, r: _relative_xl_sharded(f, m),
+         lambda f, m, r: f"parallel.tp={f.tp}, cp={f.cp}: model.position_embedding="
+         '"relative_xl" runs with tp=1 and cp=1 only (tensor and context parallel have no '
+         "plan for its position projection and position scores); use dp_shard or pp"),
     Rule("pp_stages_have_layers",
          lambda f, m, r: f.pp * f.pp_virtual_stages > m.num_layers,
          lambda f, m, r: f"parallel.pp={f.pp} x pp_virtual_stages={f.pp_virtual_stages} = "

@@ -59,9 +59,8 @@ def reference_table() -> list[str]:
 
 def preset_rows() -> list[tuple[str, str, float, float, str]]:
     """(preset, family, published, densetrain, accepted) for every preset with a published
-    size. Gopher/Chinchilla counts include the Transformer-XL position projections."""
+    size."""
     from densetrain.models.presets import get_preset, list_presets
-    from densetrain.models.presets.gopher import relative_position_params
     from densetrain.models.sizing import param_counts
 
     rows = []
@@ -72,8 +71,6 @@ def preset_rows() -> list[tuple[str, str, float, float, str]]:
             continue
         family = cfg.extra["family"]
         count = param_counts(cfg).total
-        if family in ("gopher", "chinchilla"):
-            count += relative_position_params(cfg)
         if cfg.extra.get("hf_family"):
             if name == "phi-1":
                 published = PHI1_PUBLISHED_PARAMS

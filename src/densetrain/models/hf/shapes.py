@@ -59,6 +59,10 @@ def _layer_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
     if cfg.qk_norm:
         shapes[attn + "q_norm.weight"] = (cfg.head_dim,)
         shapes[attn + "k_norm.weight"] = (cfg.head_dim,)
+    if cfg.position_embedding == "relative_xl":
+        shapes[attn + "relative.pos_proj.weight"] = (cfg.q_dim, cfg.dim)
+        shapes[attn + "relative.content_bias.bias"] = (cfg.q_dim,)
+        shapes[attn + "relative.position_bias.bias"] = (cfg.q_dim,)
     if cfg.block_type == "sequential" or not cfg.parallel_shared_norm:
         shapes.update(_norm_shapes(prefix + "mlp_norm", cfg, cfg.dim))
     mlp = prefix + "mlp."

@@ -1,11 +1,12 @@
 """Gopher family (Rae et al. 2021, Table 1) and Chinchilla (Hoffmann et al. 2022, Table 4).
 
 Pre-RMSNorm decoders with ffn 4 * d_model, a 32000-token SentencePiece vocabulary, tied
-embeddings and a 2048-token context. Gopher and Chinchilla use Transformer-XL relative position
-encodings (Dai et al. 2019), which ``ModelConfig`` does not offer; these presets use RoPE in their
-place. The relative scheme carries one d_model x d_model position projection per layer, so the
-published counts equal these presets' counts plus ``num_layers * dim**2`` (see
-``relative_position_params``).
+embeddings, a 2048-token context and, in place of absolute positions, the relative position
+encoding of Transformer-XL (Dai et al. 2019; Rae et al. 2021 §3, "Models"), which is
+``position_embedding="relative_xl"`` (``models/relative.py``). Its per-layer position
+projection W_R (d_model x d_model) and biases u, v (2 d_model) are part of the published
+counts: with them every preset rounds to its published size
+(tests/unit/models/test_relative_positions.py).
 """
 
 from __future__ import annotations
@@ -27,16 +28,11 @@ def gopher_config(
         head_dim=head_dim,
         max_seq_len=2048,
         norm_type="rmsnorm",
-        position_embedding="rope",
+        position_embedding="relative_xl",
         activation="gelu",
         tie_embeddings=True,
         extra={"family": family, "published_params": published_params},
     )
-
-
-def relative_position_params(cfg: ModelConfig) -> int:
-    """Parameters of the Transformer-XL position projections the published counts include."""
-    return cfg.num_layers * cfg.dim * cfg.dim
 
 
 # name: (layers, heads, key/value size, d_model, published) — Gopher Table 1.
