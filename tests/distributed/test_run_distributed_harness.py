@@ -31,11 +31,13 @@ def test_results_come_back_per_rank():
 
 
 def test_a_hanging_rank_is_named_within_the_timeout():
+    # 20 s: the healthy rank must start (spawn, import torch, join gloo) and finish inside the
+    # window even on a loaded 2-core machine, where 8 s was seen not to be enough
     start = time.monotonic()
     with pytest.raises(DistributedTestError, match=r"ranks \[1\] of 2 produced no result "
-                                                   r"within 8 s"):
-        run_distributed(_rank1_hangs, 2, timeout=8)
-    assert time.monotonic() - start < 30
+                                                   r"within 20 s"):
+        run_distributed(_rank1_hangs, 2, timeout=20)
+    assert time.monotonic() - start < 45
 
 
 def test_ranks_that_all_hang_cost_one_timeout():
