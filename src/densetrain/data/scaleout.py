@@ -115,17 +115,17 @@ def merge_work(inputs: list[str], out: Path, tok: Tokenizer, cfg: PrepareConfig,
         shards["train"] += [written[f"train/{index}"]] if commit["train"] else []
         shards["val"] += [written[f"val/{index}"]] if commit["val"] else []
         if cfg.exact_dedup or cfg.near_dedup:
-            (out / "dedup").mkdir(exist_ok=True)
-            name = f"dedup/{index:05d}.npz"
-            os.replace(work / "decide" / f"{index:05d}.npz", out / name)
-            dedup_files.append(name)
+            dedup_files.append(f"dedup/{index:05d}.npz")
     preparer.state.update(
         consumed_documents=plan["documents"], commits=len(plan["commits"]), shards=shards,
         kept_documents=plan["kept_documents"], removed=plan["removed"], dedup_files=dedup_files,
     )
-    atomic_write_json(out / PROGRESS_FILE, preparer.state)
     meta = preparer.metadata()
     _check_not_empty(list(inputs), preparer.read_stats, meta)
+    for name in dedup_files:
+        (out / "dedup").mkdir(exist_ok=True)
+        os.replace(work / "decide" / Path(name).name, out / name)
+    atomic_write_json(out / PROGRESS_FILE, preparer.state)
     _copy_tokenizer(tok, out / meta["tokenizer"]["file"])
     atomic_write_json(out / META_FILE, meta)
     shutil.rmtree(work)
@@ -152,25 +152,25 @@ def _task_entry(fn: Callable, phase: str, rank: int, work: str, threads: int, ar
     try:
         fn(*args)
     except BaseException as error:  # noqa: BLE001 - reported by the parent, naming the worker
-        atomic_write_json(Path(work) / "errors" / f"{phase}-{rank:05d}.json",
-                          {"type": type(error).__name__, "message": str(error)})
+        from densetrain.errors import USER_ERROR_TYPES
+
+        message = str(error) if isinstance(error, USER_ERROR_TYPES) else (
+            f"internal error {type(error).__name__}: {error}")
+        atomic_write_json(Path(work) / "errors" / f"{phase}-{rank:05d}.json", {"message": message})
         sys.exit(1)
     pid_file.unlink()
 
 
-def _failure(phase: str, rank: int, workers: int, exitcode: int, work: Path, part: str) -> str:
+def _failure(phase: str, rank: int, who: str, exitcode: int, work: Path) -> str:
     error_file = work / "errors" / f"{phase}-{rank:05d}.json"
     if error_file.is_file():
-        error = json.loads(error_file.read_text())
+        what = json.loads(error_file.read_text())["message"]
         error_file.unlink()
-        what = error["message"] if error["type"] in ("UserError", "ValueError", "OSError",
-                                                     "FileNotFoundError") else (
-            f"internal error {error['type']}: {error['message']}")
     elif exitcode < 0:
         what = f"killed by signal {signal.Signals(-exitcode).name}"
     else:
         what = f"exited with status {exitcode}"
-    return f"prepare worker {rank} of {workers} ({phase} phase, {part}) failed: {what}"
+    return f"{who} failed: {what}"
 
 
 def run_local_phase(phase: str, tasks: list[tuple[Callable, tuple]], work: Path,
@@ -190,11 +190,13 @@ def run_local_phase(phase: str, tasks: list[tuple[Callable, tuple]], work: Path,
         process.start()
     for process in processes:
         process.join()
-    failures = [
-        _failure(phase, rank, workers, p.exitcode, work,
-                 _describe(parts[rank]) if phase != "decide" else "all inputs")
-        for rank, p in enumerate(processes) if p.exitcode != 0
-    ]
+    def who(rank: int) -> str:
+        if len(tasks) == 1:
+            return f"the prepare {phase} task (one process over all inputs)"
+        return f"prepare worker {rank} of {workers} ({phase} phase, {_describe(parts[rank])})"
+
+    failures = [_failure(phase, rank, who(rank), p.exitcode, work)
+                for rank, p in enumerate(processes) if p.exitcode != 0]
     if failures:
         raise UserError("; ".join(failures) + f". The completed work is kept in {work} and no "
                         f"{META_FILE} was written: rerun the same command to resume")
