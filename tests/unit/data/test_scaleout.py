@@ -116,7 +116,7 @@ def _prepare_command(raw: Path, out: Path, tokenizer: Path, *extra: str) -> list
 
 def test_killed_worker_is_named_leaves_no_dataset_and_rerun_resumes(tmp_path, tokenizer_path):
     raw = tmp_path / "raw"
-    write_text_files(raw, synthetic_documents(1000, seed=5, min_words=300, max_words=600))
+    write_text_files(raw, synthetic_documents(500, seed=5, min_words=300, max_words=600))
     out = tmp_path / "out"
     command = _prepare_command(raw, out, tokenizer_path)
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -193,3 +193,21 @@ def test_existing_dataset_and_foreign_directory_are_refused(reference, raw_dir, 
     with pytest.raises(FileExistsError, match="not empty"):
         prepare_dataset_parallel([str(raw_dir)], tmp_path / "other", tokenizer=tokenizer_path,
                                  cfg=_cfg(), workers=2)
+
+
+@pytest.mark.slow
+def test_documented_torchrun_command_matches_single_process(raw_dir, tokenizer_path,
+                                                            tmp_path) -> None:
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", "-m", "densetrain.cli.main", "data", "prepare",
+               str(raw_dir), "-o", str(out), "--tokenizer", str(tokenizer_path), "--distributed",
+               "--val-fraction", "0.1", "--shard-tokens", "2500", "--exact-dedup",
+               "--near-dedup", "--quality-filter"]
+    cfg = _cfg()
+    cfg.quality.min_words, cfg.batch_bytes = 50, 1 << 22  # the command line's defaults
+    expected = tmp_path / "single"
+    prepare_dataset([str(raw_dir)], expected, tokenizer=tokenizer_path, cfg=cfg)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    _assert_same_dataset(expected, out)
