@@ -190,6 +190,7 @@ def run_local_phase(phase: str, tasks: list[tuple[Callable, tuple]], work: Path,
         process.start()
     for process in processes:
         process.join()
+
     def who(rank: int) -> str:
         if len(tasks) == 1:
             return f"the prepare {phase} task (one process over all inputs)"

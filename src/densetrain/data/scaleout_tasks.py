@@ -161,9 +161,12 @@ def run_scan(work: Path, rank: int, files: list[Path], tok: Tokenizer, cfg: Prep
 
 
 def _load_scan(work: Path, rank: int) -> dict:
+    """A worker's scan: per-document columns as Python lists (the decide loop reads them one
+    value at a time), the signatures memory-mapped."""
     scan = json.loads(scan_path(work, rank, "json").read_text())
-    for name in ("chars", "status", "val", "exact", "ntokens", "minhash"):
-        scan[name] = np.load(scan_path(work, rank, f"{name}.npy"), mmap_mode="r")
+    for name in ("chars", "status", "val", "exact", "ntokens"):
+        scan[name] = np.load(scan_path(work, rank, f"{name}.npy")).tolist()
+    scan["minhash"] = np.load(scan_path(work, rank, "minhash.npy"), mmap_mode="r")
     return scan
 
 
@@ -181,12 +184,12 @@ class _Decision:
         self.buffered = {"train": 0, "val": 0}
 
     def _fate(self, scan: dict, doc: int, candidate: int) -> int:
-        status = int(scan["status"][doc])
+        status = scan["status"][doc]
         if status != KEPT:
             self.removed["empty" if status == EMPTY
                          else f"quality:{scan['reasons'][status - 2]}"] += 1
             return REMOVED
-        if self.exact is not None and self.exact.is_duplicate_key(int(scan["exact"][doc])):
+        if self.exact is not None and self.exact.is_duplicate_key(scan["exact"][doc]):
             self.removed["exact_duplicate"] += 1
             return REMOVED
         if self.near is not None and self.near.is_duplicate_signature(
@@ -196,7 +199,7 @@ class _Decision:
             return REMOVED
         split = "val" if scan["val"][doc] else "train"
         self.kept[split] += 1
-        self.buffered[split] += int(scan["ntokens"][doc])
+        self.buffered[split] += scan["ntokens"][doc]
         return VAL if split == "val" else TRAIN
 
     def commit(self, end: int) -> None:
@@ -222,9 +225,9 @@ class _Decision:
             candidate = 0
             for doc in range(len(fates)):
                 fates[doc] = self._fate(scan, doc, candidate)
-                candidate += int(scan["status"][doc] == KEPT)
+                candidate += scan["status"][doc] == KEPT
                 doc_index += 1
-                batch_chars += int(scan["chars"][doc])
+                batch_chars += scan["chars"][doc]
                 if batch_chars >= self.cfg.batch_bytes:
                     batch_chars = 0
                     if self.buffered["train"] >= self.cfg.shard_tokens:
