@@ -211,3 +211,19 @@ def test_documented_torchrun_command_matches_single_process(raw_dir, tokenizer_p
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     _assert_same_dataset(expected, out)
+
+
+def test_missing_input_and_all_filtered_input_are_clear_errors(tmp_path, tokenizer_path) -> None:
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        prepare_dataset_parallel([str(tmp_path / "nowhere")], tmp_path / "a",
+                                 tokenizer=tokenizer_path, workers=2)
+    raw = tmp_path / "raw"
+    write_text_files(raw, ["too short"] * 6)
+    cfg = PrepareConfig(quality_filter=True)
+    with pytest.raises(UserError, match="survived filtering") as single:
+        prepare_dataset([str(raw)], tmp_path / "one", tokenizer=tokenizer_path, cfg=cfg)
+    with pytest.raises(UserError, match="survived filtering") as parallel:
+        prepare_dataset_parallel([str(raw)], tmp_path / "many", tokenizer=tokenizer_path,
+                                 cfg=cfg, workers=2)
+    assert str(parallel.value) == str(single.value)
+    assert not (tmp_path / "many" / "meta.json").exists()
