@@ -390,6 +390,11 @@ def prepare_dataset(
     if overwrite and out.exists():
         shutil.rmtree(out)
     files = expand_inputs(list(inputs))
+    if (out / ".scaleout").is_dir():  # scaleout_tasks.WORK_DIR
+        raise FileExistsError(
+            f"{out} holds an interrupted prepare of several workers; rerun it with the same "
+            "--workers (or --distributed), or start again with --overwrite"
+        )
     if out.is_dir() and any(out.iterdir()) and not (out / PROGRESS_FILE).exists():
         raise FileExistsError(
             f"output directory {out} is not empty and holds no interrupted prepare; "

@@ -124,7 +124,9 @@ def merge_work(inputs: list[str], out: Path, tok: Tokenizer, cfg: PrepareConfig,
     _check_not_empty(list(inputs), preparer.read_stats, meta)
     for name in dedup_files:
         (out / "dedup").mkdir(exist_ok=True)
-        os.replace(work / "decide" / Path(name).name, out / name)
+        source = work / "decide" / Path(name).name
+        if source.is_file() or not (out / name).is_file():  # else moved by an interrupted merge
+            os.replace(source, out / name)
     atomic_write_json(out / PROGRESS_FILE, preparer.state)
     _copy_tokenizer(tok, out / meta["tokenizer"]["file"])
     atomic_write_json(out / META_FILE, meta)

@@ -134,6 +134,8 @@ def test_killed_worker_is_named_leaves_no_dataset_and_rerun_resumes(tmp_path, to
     assert not (out / WORK_DIR / "scan" / "00001.json").exists()
     with pytest.raises(FileNotFoundError):
         load_metadata(out)
+    with pytest.raises(FileExistsError, match="several workers"):
+        prepare_dataset([str(raw)], out, tokenizer=tokenizer_path)
     rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     reference = tmp_path / "single"
