@@ -59,15 +59,9 @@ def _prepare(args: argparse.Namespace) -> int:
         ),
         quality_filter=args.quality_filter,
     )
-    meta = prepare_dataset(
-        args.inputs,
-        args.output,
-        tokenizer=args.tokenizer,
-        cfg=cfg,
-        overwrite=args.overwrite,
-        max_shards=args.max_shards,
-        progress=True,
-    )
+    meta = _run_prepare(args, cfg, prepare_dataset)
+    if meta is None and args.distributed:
+        return 0  # a rank other than 0 of a torchrun job: rank 0 prints the summary
     if meta is None:
         print(f"stopped after {args.max_shards} shards; rerun the same command to continue")
         return 0
@@ -75,6 +69,25 @@ def _prepare(args: argparse.Namespace) -> int:
     print(f"prepared {args.output}: (documents, tokens) per split {splits}, dtype {meta['dtype']}")
     print(json.dumps(meta["counts"], indent=2))
     return 0
+
+
+def _run_prepare(args: argparse.Namespace, cfg, prepare_dataset) -> dict | None:
+    """The single-process path (the default), local worker processes, or a torchrun rank."""
+    from densetrain.data.scaleout import prepare_dataset_distributed, prepare_dataset_parallel
+
+    if (args.workers != 1 or args.distributed) and args.max_shards:
+        raise UserError("--max-shards applies to the single-process prepare; with --workers or "
+                        "--distributed an interrupted run resumes from its completed tasks")
+    if args.workers != 1 and args.distributed:
+        raise UserError("give --workers N (local processes) or --distributed (one worker per "
+                        "torchrun rank), not both")
+    common = dict(tokenizer=args.tokenizer, cfg=cfg, overwrite=args.overwrite)
+    if args.distributed:
+        return prepare_dataset_distributed(args.inputs, args.output, **common)
+    if args.workers != 1:
+        return prepare_dataset_parallel(args.inputs, args.output, workers=args.workers, **common)
+    return prepare_dataset(args.inputs, args.output, max_shards=args.max_shards, progress=True,
+                           **common)
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -128,6 +141,17 @@ def _register_prepare(data_sub: argparse._SubParsersAction) -> None:
     prep.add_argument("--quality-filter", action="store_true", help="Gopher quality heuristics")
     prep.add_argument("--overwrite", action="store_true", help="replace a complete dataset")
     prep.add_argument("--max-shards", type=int, default=0, help="stop after N shards (resumable)")
+    prep.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="local worker processes (0: one per core); same shards as 1 (docs/data.md)",
+    )
+    prep.add_argument(
+        "--distributed",
+        action="store_true",
+        help="run as one worker per rank of a torchrun job (multi-node, e.g. srun torchrun)",
+    )
     prep.set_defaults(func=_prepare)
 
 

@@ -8,6 +8,8 @@ Public API::
     BatchStream.next_batch(global_batch_size) -> Batch(inputs, targets, document_ids, positions)
     Tokenizer, load_tokenizer(path), train_tokenizer(texts, path, vocab_size=)
     prepare_dataset(inputs, out_dir, tokenizer=, cfg=PrepareConfig(...))
+    prepare_dataset_parallel(..., workers=N)     the same dataset from N local processes
+    prepare_dataset_distributed(...)             the same, one worker per torchrun rank
 """
 
 from typing import TYPE_CHECKING
@@ -17,6 +19,7 @@ from densetrain.data.dedup import MinHashConfig
 from densetrain.data.default_corpus import ensure_default_corpus
 from densetrain.data.filters import QualityConfig
 from densetrain.data.prepare import PrepareConfig, prepare_dataset
+from densetrain.data.scaleout import prepare_dataset_distributed, prepare_dataset_parallel
 from densetrain.data.shards import TokenStore, load_metadata
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
 
@@ -58,5 +61,7 @@ __all__ = [
     "load_metadata",
     "load_tokenizer",
     "prepare_dataset",
+    "prepare_dataset_distributed",
+    "prepare_dataset_parallel",
     "train_tokenizer",
 ]

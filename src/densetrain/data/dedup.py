@@ -62,7 +62,10 @@ class ExactDeduplicator:
 
     def is_duplicate(self, text: str) -> bool:
         """True if an equal (normalised) text was seen; otherwise remember it and return False."""
-        key = normalized_hash(text)
+        return self.is_duplicate_key(normalized_hash(text))
+
+    def is_duplicate_key(self, key: int) -> bool:
+        """`is_duplicate` for a precomputed `normalized_hash` (the scale-out decision uses it)."""
         if key in self.seen:
             return True
         self.seen.add(key)
@@ -125,7 +128,10 @@ class MinHashDeduplicator:
 
     def is_duplicate(self, text: str) -> bool:
         """True if a kept document has estimated Jaccard >= threshold; else keep this one."""
-        sig = self.signature(text)
+        return self.is_duplicate_signature(self.signature(text))
+
+    def is_duplicate_signature(self, sig: np.ndarray) -> bool:
+        """`is_duplicate` for a precomputed `signature` (the scale-out decision uses it)."""
         keys = self._band_keys(sig)
         candidates: set[int] = set()
         for table, key in zip(self.tables, keys, strict=True):

@@ -119,7 +119,14 @@ class _Buffer:
 class _Preparer:
     """One prepare run (fresh or resumed) over an output directory."""
 
-    def __init__(self, files: list[Path], out: Path, tokenizer: Tokenizer, cfg: PrepareConfig):
+    def __init__(
+        self,
+        files: list[Path],
+        out: Path,
+        tokenizer: Tokenizer,
+        cfg: PrepareConfig,
+        sources: list[dict] | None = None,
+    ):
         self.files, self.out, self.tok, self.cfg = files, out, tokenizer, cfg
         self.dtype = dtype_for_vocab(tokenizer.vocab_size)
         self.read_stats = ReadStats()
@@ -131,7 +138,7 @@ class _Preparer:
         self.state = {
             "settings_hash": cfg.settings_hash(),
             "tokenizer_fingerprint": tokenizer.fingerprint,
-            "sources": describe_sources(files),
+            "sources": describe_sources(files) if sources is None else sources,
             "consumed_documents": 0,
             "commits": 0,
             "kept_documents": {"train": 0, "val": 0},
@@ -383,6 +390,11 @@ def prepare_dataset(
     if overwrite and out.exists():
         shutil.rmtree(out)
     files = expand_inputs(list(inputs))
+    if (out / ".scaleout").is_dir():  # scaleout_tasks.WORK_DIR
+        raise FileExistsError(
+            f"{out} holds an interrupted prepare of several workers; rerun it with the same "
+            "--workers (or --distributed), or start again with --overwrite"
+        )
     if out.is_dir() and any(out.iterdir()) and not (out / PROGRESS_FILE).exists():
         raise FileExistsError(
             f"output directory {out} is not empty and holds no interrupted prepare; "
