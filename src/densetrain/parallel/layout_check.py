@@ -29,7 +29,7 @@ and where each comes from:
   rank's batch and are >= pp except for GPipe; interleaved schedules need a whole number of
   rounds (torch.distributed.pipelining: m is a multiple of max(1, m // pp));
 - pipeline composes with ZeRO-3 only, not with ``compile``, untied embeddings, no document
-  masks.
+  masks, a constant batch (no batch-size ramp).
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ class RunShape:
     world_size: int
     compile: bool = False
     document_masking: bool = False
+    batch_ramp: bool = False
+    """The global batch grows during the run (``schedule.batch_ramp_start > 0``)."""
 
 
 @dataclass(frozen=True)
@@ -185,7 +187,8 @@ RULES: tuple[Rule, ...] = (
          lambda f, m, r: r.global_batch_size % (f.dp * f.micro_batch_size) != 0,
          lambda f, m, r: f"training.global_batch_size={r.global_batch_size} is not divisible by "
          f"training.micro_batch_size x data-parallel size = {f.micro_batch_size} x {f.dp} = "
-         f"{f.micro_batch_size * f.dp}"),
+         f"{f.micro_batch_size * f.dp}; choose a multiple of {f.micro_batch_size * f.dp} "
+         "(gradient accumulation steps = global / (micro x dp))"),
     Rule("pp_microbatches_divide_batch",
          lambda f, m, r: (f.pp > 1) & ((r.global_batch_size // f.dp) % _microbatches(f, r) != 0),
          lambda f, m, r: f"parallel.pp={f.pp}: the rank's batch of {r.global_batch_size // f.dp} "
@@ -214,6 +217,13 @@ RULES: tuple[Rule, ...] = (
          lambda f, m, r: (f.pp > 1) & bool(m.tie_embeddings),
          lambda f, m, r: f"parallel.pp={f.pp} needs untied embeddings "
          "(model.tie_embeddings=False)"),
+    # A pipeline's stages fix their send/receive shapes at the first step; a growing batch
+    # changes the microbatch shape (gloo then fails on the size mismatch).
+    Rule("pp_constant_batch",
+         lambda f, m, r: (f.pp > 1) & r.batch_ramp,
+         lambda f, m, r: f"parallel.pp={f.pp} needs a constant batch: the pipeline fixes its "
+         "microbatch shapes at the first step; set schedule.batch_ramp_start=0 or use no "
+         "pipeline"),
     Rule("pp_plain_causal",
          lambda f, m, r: (f.pp > 1) & r.document_masking,
          lambda f, m, r: f"parallel.pp={f.pp} runs the plain causal mask only; turn off "
@@ -252,20 +262,21 @@ def fields_read(rule: Rule, model: Any, run: RunShape) -> frozenset[str]:
     return frozenset(object.__getattribute__(probe, "_seen"))
 
 
-def _layer_split_reasons(parallel: Any, model: Any) -> list[str]:
-    split = list(parallel.pp_layer_split)
-    if not split:
-        return []
-    stages = parallel.pp * parallel.pp_virtual_stages
-    if len(split) != stages or sum(split) != model.num_layers:
+def layer_split_reasons(split: list[int], stages: int, num_layers: int) -> list[str]:
+    """Why an explicit ``pp_layer_split`` cannot split ``num_layers`` over ``stages`` stages
+    (empty: it can, or it is empty and the trainer balances the layers)."""
+    split = list(split)
+    if split and (len(split) != stages or sum(split) != num_layers):
         return [f"parallel.pp_layer_split={split} must have pp x pp_virtual_stages = {stages} "
-                f"entries summing to model.num_layers={model.num_layers}"]
+                f"entries summing to model.num_layers={num_layers}"]
     return []
 
 
 def resolve_dp_shard(parallel: Any, world_size: int) -> tuple[int | None, str | None]:
     """(dp_shard with -1 resolved, None) or (None, why the degrees do not fit ``world_size``)."""
     others = parallel.dp_replicate * parallel.cp * parallel.tp * parallel.pp
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        return None, f"the world size must be a positive integer, got {world_size!r}"
     if parallel.dp_shard == -1:
         if world_size % others:
             return None, (f"parallel degrees dp_replicate={parallel.dp_replicate} x "
@@ -283,24 +294,61 @@ def resolve_dp_shard(parallel: Any, world_size: int) -> tuple[int | None, str | 
 
 _LAYOUT_FIELDS = ("dp_replicate", "tp", "pp", "cp", "zero_stage", "sequence_parallel",
                   "pp_schedule", "pp_microbatches", "pp_virtual_stages")
+_SAFE_ON_PART_OF_DP = ("batch_splits",)
+"""Rules that may be checked on a known part of the data-parallel degree (``dp_shard=-1``
+with no world size yet): a batch that does not split over part of dp does not split over all."""
 
 
 def check_layout(parallel: Any, model: Any, *, seq_len: int, global_batch_size: int,
-                 micro_batch_size: int, world_size: int, compile: bool = False,
-                 document_masking: bool = False) -> list[str]:
+                 micro_batch_size: int, world_size: int | None, compile: bool = False,
+                 document_masking: bool = False, batch_ramp: bool = False) -> list[str]:
     """Why ``parallel`` (a ``ParallelConfig``) cannot train ``model`` (a ``ModelConfig``) on
-    this run; an empty list when the trainer runs it. One sentence per violated rule."""
+    this run; an empty list when the trainer runs it. One sentence per violated rule.
+
+    ``world_size`` None (a config inspected away from its cluster): with ``dp_shard=-1`` the
+    rules that depend on the data-parallel degree are skipped, except those a known part of
+    it already decides; with a fixed ``dp_shard`` the world is the product of the degrees.
+    ``micro_batch_size`` 0 (derived later) skips the rules that read it.
+    """
+    unresolved = world_size is None and parallel.dp_shard == -1
+    if world_size is None:
+        world_size = (parallel.dp_replicate * max(parallel.dp_shard, 1) * parallel.cp
+                      * parallel.tp * parallel.pp)
     dp_shard, problem = resolve_dp_shard(parallel, world_size)
     if problem:
         return [problem]
     fields = SimpleNamespace(**{k: getattr(parallel, k) for k in _LAYOUT_FIELDS},
-                             dp_shard=dp_shard, micro_batch_size=micro_batch_size,
+                             dp_shard=dp_shard, micro_batch_size=max(micro_batch_size, 1),
                              dp=parallel.dp_replicate * dp_shard)
     run = RunShape(seq_len=seq_len, global_batch_size=global_batch_size, world_size=world_size,
-                   compile=compile, document_masking=document_masking)
+                   compile=compile, document_masking=document_masking, batch_ramp=batch_ramp)
+    skip = ({"dp", "dp_shard"} if unresolved else set()) | (
+        {"micro_batch_size"} if micro_batch_size <= 0 else set())
     reasons = [rule.reason(fields, model, run) for rule in RULES
-               if rule.violated(fields, model, run)]
-    return reasons + _layer_split_reasons(parallel, model)
+               if _applies(rule, model, run, skip, unresolved)
+               and rule.violated(fields, model, run)]
+    stages = parallel.pp * parallel.pp_virtual_stages
+    return reasons + layer_split_reasons(parallel.pp_layer_split, stages, model.num_layers)
+
+
+def _applies(rule: Rule, model: Any, run: RunShape, skip: set[str], unresolved: bool) -> bool:
+    if not skip:
+        return True
+    if unresolved and rule.name in _SAFE_ON_PART_OF_DP and "micro_batch_size" not in skip:
+        return True
+    return not (fields_read(rule, model, run) & skip)
+
+
+def require(names: tuple[str, ...], fields: Any, model: Any = None,
+            run: RunShape | None = None) -> None:
+    """Raise ``ValueError`` with the reason of the first rule in ``names`` that ``fields``
+    breaks: the runtime guard of a builder that is handed only part of a layout (its own
+    degrees and options), stated by the same rules as `check_layout`."""
+    by_name = {rule.name: rule for rule in RULES}
+    for name in names:
+        rule = by_name[name]
+        if rule.violated(fields, model, run):
+            raise ValueError(rule.reason(fields, model, run))
 
 
 def runnable_mask(columns: Mapping[str, Any], model: Any, run: RunShape) -> Any:

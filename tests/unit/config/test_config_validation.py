@@ -22,7 +22,7 @@ def _job(*overrides: str) -> JobConfig:
     (["--parallel.pp=2", "--training.global_batch_size=3"],
      r"batch of 3 sequences .* does not split into 2 pipeline microbatches"),
     (["--training.micro_batch_size=5"], r"global_batch_size=16 is not divisible by "
-                                        r"training.micro_batch_size × data-parallel size = 5 × 1"),
+                                        r"training.micro_batch_size x data-parallel size = 5 x 1"),
     (["--training.global_batch_tokens=1000"], r"global_batch_tokens=1000 is not divisible by "
                                               r"data.seq_len=256"),
     (["--training.global_batch_tokens=8192", "--training.global_batch_size=8"],
@@ -54,14 +54,16 @@ def test_world_size_rules():
     job = _job("--training.micro_batch_size=4")
     job.validate(world_size=4)  # dp_shard=-1 → dp 4: 16 = 4 × 4
     assert data_parallel_size(job, 4) == 4
-    with pytest.raises(ValueError, match=r"micro_batch_size × data-parallel size = 4 × 8 = 32"):
+    with pytest.raises(ValueError, match=r"micro_batch_size x data-parallel size = 4 x 8 = 32"):
         job.validate(world_size=8)
     job = _job("--parallel.tp=2", "--parallel.dp_shard=2", "--training.micro_batch_size=8")
     job.validate(world_size=4)
-    with pytest.raises(ValueError, match=r"must equal the world size 8"):
+    with pytest.raises(ValueError, match=r"multiply to the world size: .* = 4, but world_size = 8"):
         job.validate(world_size=8)
-    with pytest.raises(ValueError, match=r"not divisible by parallel.tp"):
+    with pytest.raises(ValueError, match=r"parallel.tp=3 must divide the attention heads"):
         _job("--parallel.tp=3").validate(world_size=4)
+    with pytest.raises(ValueError, match=r"tp=2 x pp=1 = 2 do not divide the world size 3"):
+        _job("--parallel.tp=2").validate(world_size=3)
 
 
 def test_warmup_tokens_and_ramp_resolve_to_steps():
