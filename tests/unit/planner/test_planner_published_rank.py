@@ -12,15 +12,15 @@ stricter. The rank of the published degrees among all degree choices is printed 
 from __future__ import annotations
 
 import pytest
-
-from densetrain.models.presets import get_preset
-from densetrain.planner import PlanSettings, get_cluster, search
 from test_planner_published import (
     KORTHIKANTI_TABLE_5,
     MEGATRON,
     NARAYANAN_TABLE_1,
     megatron_gpt,
 )
+
+from densetrain.models.presets import get_preset
+from densetrain.planner import PlanSettings, get_cluster, search
 
 RANK_TOLERANCE = 0.8
 
