@@ -5,7 +5,11 @@ the run's shape (sequence length, batch, world size, compile, document masking),
 sentence a user sees when it is violated. The same predicates serve two callers:
 
 - `check_layout(parallel, model, ...)` evaluates them on one ``ParallelConfig`` and returns the
-  reasons it cannot run (empty: runnable) — for config validation and the trainer;
+  reasons it cannot run (empty: runnable) — for job validation (``config.rules.validate_job``,
+  which the trainer runs before any process group starts);
+- `require(names, fields, ...)` raises the reason of the named rules — the guard of a builder
+  called directly with only its part of a layout (``data_parallel_kind``,
+  ``apply_tensor_parallel``, the pipeline builders);
 - `runnable_mask(columns, model, ...)` evaluates them elementwise on numpy columns of many
   layouts at once — for the planner's search, so that it never advises a layout this module
   refuses.
