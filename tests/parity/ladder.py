@@ -127,6 +127,17 @@ class LayoutRun:
     clip: float
 
 
+def require_runnable(cfg: ParallelConfig, model_cfg, dims: ParallelDims, *,
+                     micro_batch_size: int) -> None:
+    """Refuse a layout the trainer would refuse (``parallel.layout_check``), as a job would."""
+    from densetrain.parallel.layout_check import check_layout
+
+    reasons = check_layout(cfg, model_cfg, seq_len=SEQ_LEN, global_batch_size=GLOBAL_BATCH,
+                           micro_batch_size=micro_batch_size, world_size=dims.world_size)
+    if reasons:
+        raise ValueError(reasons[0])
+
+
 def setup_layout(world: int, layout: dict, *, compile: bool = False) -> LayoutRun:
     """The tiny model and its optimizer laid out on ``layout`` (no pp)."""
     layout = dict(layout)
@@ -135,9 +146,7 @@ def setup_layout(world: int, layout: dict, *, compile: bool = False) -> LayoutRu
     model_cfg = tiny_model_config(**layout.pop("_model", {}))
     cfg = ParallelConfig(**layout)
     dims = ParallelDims.from_config(cfg, world)
-    dims.validate_for_model(
-        model_cfg, SEQ_LEN, GLOBAL_BATCH, sequence_parallel=cfg.sequence_parallel
-    )
+    require_runnable(cfg, model_cfg, dims, micro_batch_size=1)
     pmesh = dims.build_mesh("cpu")
     model = parallelize(Transformer(model_cfg), pmesh, cfg, compile=compile)
     init_weights(model, SEED)
@@ -232,7 +241,8 @@ def run_pipeline_layout(rank: int, world: int, layout: dict, steps: int = STEPS)
     model_cfg = tiny_model_config(**layout.pop("_model", {}))
     cfg = ParallelConfig(**layout)
     dims = ParallelDims.from_config(cfg, world)
-    dims.validate_for_model(model_cfg, SEQ_LEN, GLOBAL_BATCH)
+    local = dims.local_batch_size(GLOBAL_BATCH)
+    require_runnable(cfg, model_cfg, dims, micro_batch_size=local // cfg.num_microbatches)
     pmesh = dims.build_mesh("cpu")
     pipe = build_pipeline(
         lambda: Transformer(model_cfg), pmesh, cfg, _lm_loss, init_seed=SEED,

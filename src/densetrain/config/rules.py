@@ -46,23 +46,15 @@ def data_parallel_size(job: JobSections, world_size: int | None) -> int:
     With ``world_size`` None (a config inspected away from its cluster) a ``dp_shard`` of -1
     counts as 1, so the result is the part of the data-parallel size the config fixes.
     """
+    from densetrain.parallel.layout_check import resolve_dp_shard
+
     par = job.parallel
-    others = par.tp * par.pp * par.cp * par.dp_replicate
     if world_size is None:
         return par.dp_replicate * max(par.dp_shard, 1)
-    if par.dp_shard == -1:
-        if world_size % others:
-            raise ValueError(
-                f"world size {world_size} is not divisible by parallel.tp × pp × cp × "
-                f"dp_replicate = {par.tp} × {par.pp} × {par.cp} × {par.dp_replicate} = {others}"
-            )
-        return par.dp_replicate * (world_size // others)
-    if others * par.dp_shard != world_size:
-        raise ValueError(
-            f"parallel degrees pp × dp_replicate × dp_shard × cp × tp = {others * par.dp_shard} "
-            f"must equal the world size {world_size}"
-        )
-    return par.dp_replicate * par.dp_shard
+    dp_shard, problem = resolve_dp_shard(par, world_size)
+    if problem:
+        raise ValueError(problem)
+    return par.dp_replicate * dp_shard
 
 
 def resolve_derived(job: JobSections, dp_size: int = 1) -> None:
@@ -137,23 +129,33 @@ def validate_job(
             f"got {dp_size!r}"
         )
     _resolve_global_batch(job)
+    if check_model and (job.model.preset or job.model.overrides()):
+        _check_layout(job, job.build_model_config(vocab_size=_VALIDATION_VOCAB), world_size)
     _check_batch(job, dp_size)
     _resolve_warmup(job, dp_size)
     _check_schedule_fits_run(job)
-    if check_model and (job.model.preset or job.model.overrides()):
-        job.build_model_config(vocab_size=_VALIDATION_VOCAB)
+
+
+def _check_layout(job: JobSections, model_cfg: Any, world_size: int | None) -> None:
+    """The trainer's layout rules (``parallel.layout_check.check_layout``, the same function
+    the trainer and the planner use) for this job's parallel section, model and batch."""
+    from densetrain.parallel.layout_check import check_layout
+
+    reasons = check_layout(job.parallel, model_cfg, seq_len=job.data.seq_len,
+                           global_batch_size=job.training.global_batch_size,
+                           micro_batch_size=job.training.micro_batch_size,
+                           world_size=world_size, compile=job.training.compile,
+                           document_masking=job.data.document_masking,
+                           batch_ramp=job.schedule.batch_ramp_start > 0,
+                           float8=job.training.dtype == "float8")
+    if reasons:
+        raise ValueError(reasons[0])
 
 
 def _check_batch(job: JobSections, dp_size: int) -> None:
     training, schedule = job.training, job.schedule
+    # global_batch_size splitting into micro x dp is the layout rule "batch_splits"
     unit = training.micro_batch_size * dp_size
-    if training.global_batch_size % unit:
-        raise ValueError(
-            f"training.global_batch_size={training.global_batch_size} is not divisible by "
-            f"training.micro_batch_size × data-parallel size = {training.micro_batch_size} × "
-            f"{dp_size} = {unit}; choose a multiple of {unit} (gradient accumulation steps = "
-            "global / (micro × dp))"
-        )
     start = schedule.batch_ramp_start
     if start <= 0:
         return

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from densetrain.models.config import ModelConfig
 from densetrain.parallel.config import ParallelConfig
 from densetrain.parallel.float8 import convert_blocks_to_float8
+from densetrain.parallel.layout_check import RunShape, require
 from densetrain.parallel.mesh import ParallelDims, ParallelMesh
 from densetrain.parallel.model import LaidOutModel, model_loss_fn
 
@@ -24,21 +26,17 @@ from densetrain.parallel.model import LaidOutModel, model_loss_fn
 def pipeline_microbatches(cfg: ParallelConfig, dims: ParallelDims, *, local_batch_size: int,
                           micro_batch_size: int) -> int:
     """Pipeline microbatches per step: ``parallel.pp_microbatches``, or when 0 the rank's batch
-    over ``training.micro_batch_size`` (so a microbatch has the usual number of sequences)."""
-    count = cfg.pp_microbatches or local_batch_size // micro_batch_size
-    if count < 1 or local_batch_size % count != 0:
-        raise ValueError(
-            f"parallel.pp={dims.pp}: the rank's batch of {local_batch_size} sequences does not "
-            f"split into {count} pipeline microbatches; set parallel.pp_microbatches to a divisor"
-        )
-    if cfg.pp_schedule != "gpipe" and count < dims.pp:
-        raise ValueError(
-            f"parallel.pp={dims.pp} with pp_schedule={cfg.pp_schedule!r} needs at least pp "
-            f"microbatches per step, got {count} (rank batch {local_batch_size} / "
-            f"training.micro_batch_size={micro_batch_size}); lower training.micro_batch_size or "
-            "set parallel.pp_microbatches"
-        )
-    return count
+    over ``training.micro_batch_size`` (so a microbatch has the usual number of sequences).
+    Raises ``ValueError`` (the pipeline rules of ``parallel.layout_check``) when they do not
+    split the batch or fill the pipeline."""
+    fields = SimpleNamespace(pp=dims.pp, dp=dims.dp_size, pp_schedule=cfg.pp_schedule,
+                             pp_microbatches=cfg.pp_microbatches,
+                             micro_batch_size=micro_batch_size)
+    run = RunShape(seq_len=0, global_batch_size=local_batch_size * dims.dp_size,
+                   world_size=dims.world_size)
+    require(("batch_splits", "pp_microbatches_divide_batch", "pp_microbatches_fill_pipeline",
+             "pp_interleaved_rounds"), fields, run=run)
+    return cfg.pp_microbatches or local_batch_size // micro_batch_size
 
 
 def build_model(
@@ -64,10 +62,10 @@ def build_model(
     from densetrain.parallel.parallelize import init_weights, parallelize
 
     chunk = loss_chunk_size if loss_chunk_size and loss_chunk_size > 0 else None
-    if float8_recipe and pmesh.dims.tp > 1:
-        raise ValueError(f"training.dtype=float8 does not compose with parallel.tp="
-                         f"{pmesh.dims.tp} (float8 tensor-parallel plans are not built); use "
-                         "parallel.tp=1 or training.dtype=bf16")
+    if float8_recipe:
+        require(("float8_without_tp",), SimpleNamespace(tp=pmesh.dims.tp), model_cfg,
+                RunShape(seq_len=0, global_batch_size=0, world_size=pmesh.dims.world_size,
+                         float8=True))
     if pmesh.dims.pp > 1:
         return _build_pipelined(model_cfg, parallel_cfg, pmesh, device=device, seed=seed,
                                 compile=compile, local_batch_size=local_batch_size,
@@ -93,11 +91,10 @@ def _build_pipelined(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, pmesh
     from densetrain.parallel.pipeline import PipelinedModel, bubble_fraction, build_pipeline
 
     dims = pmesh.dims
-    if parallel_cfg.zero_stage < 3:
-        raise ValueError(f"parallel.pp={dims.pp} composes with parallel.zero_stage=3 (FSDP) "
-                         f"only, got zero_stage={parallel_cfg.zero_stage}")
-    if compile:
-        raise ValueError(f"training.compile is not supported with parallel.pp={dims.pp}")
+    fields = SimpleNamespace(pp=dims.pp, zero_stage=parallel_cfg.zero_stage)
+    require(("pp_needs_zero3", "pp_without_compile", "pp_untied_embeddings"), fields, model_cfg,
+            RunShape(seq_len=0, global_batch_size=0, world_size=dims.world_size,
+                     compile=compile))
     if local_batch_size is None or micro_batch_size is None:
         raise ValueError("pipeline parallel needs the rank's batch and micro-batch sizes")
     count = pipeline_microbatches(parallel_cfg, dims, local_batch_size=local_batch_size,

@@ -16,7 +16,15 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+try:  # torch >= 2.13 renamed the differentiable all-gather (the old name warns, deprecated)
+    from torch.distributed._functional_collectives import (
+        all_gather_single_autograd as _all_gather_autograd,
+    )
+except ImportError:  # older torch
+    from torch.distributed._functional_collectives import (
+        all_gather_tensor_autograd as _all_gather_autograd,
+    )
 
 
 def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
@@ -62,8 +70,8 @@ class ContextParallelAttention:
             )
         cp, cp_rank, group = self.cp_size, self.cp_rank, self.group
         seq_len = q_BHSK.shape[2] * cp
-        k_all = all_gather_tensor_autograd(k_BGTK.contiguous(), gather_dim=2, group=group)
-        v_all = all_gather_tensor_autograd(v_BGTK.contiguous(), gather_dim=2, group=group)
+        k_all = _all_gather_autograd(k_BGTK.contiguous(), gather_dim=2, group=group)
+        v_all = _all_gather_autograd(v_BGTK.contiguous(), gather_dim=2, group=group)
         device = q_BHSK.device
         q_pos_S = local_positions(seq_len, cp_rank, cp).to(device)
         k_pos_T = torch.cat([local_positions(seq_len, r, cp) for r in range(cp)]).to(device)

@@ -9,8 +9,21 @@ it can be applied to a model built on the meta device before ``to_empty()``. Per
 
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 from torch.distributed._composable import replicate
+from torch.nn.parallel import DistributedDataParallel
+
+# Buffers are not re-broadcast before each forward: every rank derives them from the config
+# (RoPE tables), so they are identical. torch 2.13 names this ``forward_sync_buffers``
+# (``broadcast_buffers`` is deprecated); older releases know only ``broadcast_buffers``. The
+# sync at initialisation that the new name keeps copies equal values.
+_NO_FORWARD_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 def apply_ddp(model: nn.Module, mesh, *, bucket_cap_mb: float = 25.0) -> nn.Module:
@@ -19,5 +32,5 @@ def apply_ddp(model: nn.Module, mesh, *, bucket_cap_mb: float = 25.0) -> nn.Modu
     DDP synchronises gradients from hooks around ``forward``; the model's loss is part of its
     ``forward`` (``targets_BS``), so the chunked head runs under DDP unchanged.
     """
-    replicate(model, device_mesh=mesh, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=False)
+    replicate(model, device_mesh=mesh, bucket_cap_mb=bucket_cap_mb, **_NO_FORWARD_BUFFER_SYNC)
     return model

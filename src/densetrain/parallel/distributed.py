@@ -47,6 +47,18 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
 
 
+def env_world_size() -> int:
+    """The world size torchrun announces (``WORLD_SIZE``; 1 without torchrun), read without
+    starting a process group, so that a layout is checked before any rank waits on another.
+    A process group already initialised (by a test helper) gives its own size."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    world_size = _env_int("WORLD_SIZE", 1)
+    if world_size < 1:
+        raise ValueError(f"environment variable WORLD_SIZE must be >= 1, got {world_size}")
+    return world_size
+
+
 def backend_for(device_type: str) -> str:
     """NCCL for CUDA devices, gloo for CPU."""
     return "nccl" if device_type == "cuda" else "gloo"

@@ -5,7 +5,11 @@ the run's shape (sequence length, batch, world size, compile, document masking),
 sentence a user sees when it is violated. The same predicates serve two callers:
 
 - `check_layout(parallel, model, ...)` evaluates them on one ``ParallelConfig`` and returns the
-  reasons it cannot run (empty: runnable) — for config validation and the trainer;
+  reasons it cannot run (empty: runnable) — for job validation (``config.rules.validate_job``,
+  which the trainer runs before any process group starts);
+- `require(names, fields, ...)` raises the reason of the named rules — the guard of a builder
+  called directly with only its part of a layout (``data_parallel_kind``,
+  ``apply_tensor_parallel``, the pipeline builders);
 - `runnable_mask(columns, model, ...)` evaluates them elementwise on numpy columns of many
   layouts at once — for the planner's search, so that it never advises a layout this module
   refuses.
@@ -24,13 +28,14 @@ and where each comes from:
 - context parallel: the sequence is a multiple of 2 x cp (load-balanced chunks); attention is
   plain causal (no ALiBi, no sliding window shorter than the sequence, no document masks);
 - Transformer-XL relative positions (``position_embedding="relative_xl"``): tp = cp = 1;
+- float8 training (``training.dtype=float8``): tp = 1 (no float8 tensor-parallel plans);
 - data parallel: ZeRO-1/2 only on pure data parallelism (dp_shard, no tp/pp/cp/dp_replicate);
   replicated DP without sharding (DDP) not with tp or pp;
 - batch: the global batch splits into dp x micro_batch_size; pipeline microbatches divide the
   rank's batch and are >= pp except for GPipe; interleaved schedules need a whole number of
   rounds (torch.distributed.pipelining: m is a multiple of max(1, m // pp));
 - pipeline composes with ZeRO-3 only, not with ``compile``, untied embeddings, no document
-  masks.
+  masks, a constant batch (no batch-size ramp).
 """
 
 from __future__ import annotations
@@ -53,6 +58,10 @@ class RunShape:
     world_size: int
     compile: bool = False
     document_masking: bool = False
+    batch_ramp: bool = False
+    """The global batch grows during the run (``schedule.batch_ramp_start > 0``)."""
+    float8: bool = False
+    """The blocks' linear layers run in float8 (``training.dtype=float8``)."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +188,11 @@ RULES: tuple[Rule, ...] = (
          lambda f, m, r: f"parallel.tp={f.tp}, cp={f.cp}: model.position_embedding="
          '"relative_xl" runs with tp=1 and cp=1 only (tensor and context parallel have no '
          "plan for its position projection and position scores); use dp_shard or pp"),
+    Rule("float8_without_tp",
+         lambda f, m, r: (f.tp > 1) & r.float8,
+         lambda f, m, r: f"parallel.tp={f.tp}: training.dtype=float8 runs with tp=1 only (the "
+         "tensor-parallel plans have no float8 linear layers); use dp_shard, pp or cp, or "
+         "training.dtype=bf16"),
     Rule("pp_stages_have_layers",
          lambda f, m, r: f.pp * f.pp_virtual_stages > m.num_layers,
          lambda f, m, r: f"parallel.pp={f.pp} x pp_virtual_stages={f.pp_virtual_stages} = "
@@ -198,7 +212,8 @@ RULES: tuple[Rule, ...] = (
          lambda f, m, r: r.global_batch_size % (f.dp * f.micro_batch_size) != 0,
          lambda f, m, r: f"training.global_batch_size={r.global_batch_size} is not divisible by "
          f"training.micro_batch_size x data-parallel size = {f.micro_batch_size} x {f.dp} = "
-         f"{f.micro_batch_size * f.dp}"),
+         f"{f.micro_batch_size * f.dp}; choose a multiple of {f.micro_batch_size * f.dp} "
+         "(gradient accumulation steps = global / (micro x dp))"),
     Rule("pp_microbatches_divide_batch",
          lambda f, m, r: (f.pp > 1) & ((r.global_batch_size // f.dp) % _microbatches(f, r) != 0),
          lambda f, m, r: f"parallel.pp={f.pp}: the rank's batch of {r.global_batch_size // f.dp} "
@@ -227,6 +242,13 @@ RULES: tuple[Rule, ...] = (
          lambda f, m, r: (f.pp > 1) & bool(m.tie_embeddings),
          lambda f, m, r: f"parallel.pp={f.pp} needs untied embeddings "
          "(model.tie_embeddings=False)"),
+    # A pipeline's stages fix their send/receive shapes at the first step; a growing batch
+    # changes the microbatch shape (gloo then fails on the size mismatch).
+    Rule("pp_constant_batch",
+         lambda f, m, r: (f.pp > 1) & r.batch_ramp,
+         lambda f, m, r: f"parallel.pp={f.pp} needs a constant batch: the pipeline fixes its "
+         "microbatch shapes at the first step; set schedule.batch_ramp_start=0 or use no "
+         "pipeline"),
     Rule("pp_plain_causal",
          lambda f, m, r: (f.pp > 1) & r.document_masking,
          lambda f, m, r: f"parallel.pp={f.pp} runs the plain causal mask only; turn off "
@@ -265,20 +287,21 @@ def fields_read(rule: Rule, model: Any, run: RunShape) -> frozenset[str]:
     return frozenset(object.__getattribute__(probe, "_seen"))
 
 
-def _layer_split_reasons(parallel: Any, model: Any) -> list[str]:
-    split = list(parallel.pp_layer_split)
-    if not split:
-        return []
-    stages = parallel.pp * parallel.pp_virtual_stages
-    if len(split) != stages or sum(split) != model.num_layers:
+def layer_split_reasons(split: list[int], stages: int, num_layers: int) -> list[str]:
+    """Why an explicit ``pp_layer_split`` cannot split ``num_layers`` over ``stages`` stages
+    (empty: it can, or it is empty and the trainer balances the layers)."""
+    split = list(split)
+    if split and (len(split) != stages or sum(split) != num_layers):
         return [f"parallel.pp_layer_split={split} must have pp x pp_virtual_stages = {stages} "
-                f"entries summing to model.num_layers={model.num_layers}"]
+                f"entries summing to model.num_layers={num_layers}"]
     return []
 
 
 def resolve_dp_shard(parallel: Any, world_size: int) -> tuple[int | None, str | None]:
     """(dp_shard with -1 resolved, None) or (None, why the degrees do not fit ``world_size``)."""
     others = parallel.dp_replicate * parallel.cp * parallel.tp * parallel.pp
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        return None, f"the world size must be a positive integer, got {world_size!r}"
     if parallel.dp_shard == -1:
         if world_size % others:
             return None, (f"parallel degrees dp_replicate={parallel.dp_replicate} x "
@@ -296,24 +319,63 @@ def resolve_dp_shard(parallel: Any, world_size: int) -> tuple[int | None, str | 
 
 _LAYOUT_FIELDS = ("dp_replicate", "tp", "pp", "cp", "zero_stage", "sequence_parallel",
                   "pp_schedule", "pp_microbatches", "pp_virtual_stages")
+_SAFE_ON_PART_OF_DP = ("batch_splits",)
+"""Rules that may be checked on a known part of the data-parallel degree (``dp_shard=-1``
+with no world size yet): a batch that does not split over part of dp does not split over all."""
 
 
 def check_layout(parallel: Any, model: Any, *, seq_len: int, global_batch_size: int,
-                 micro_batch_size: int, world_size: int, compile: bool = False,
-                 document_masking: bool = False) -> list[str]:
+                 micro_batch_size: int, world_size: int | None, compile: bool = False,
+                 document_masking: bool = False, batch_ramp: bool = False,
+                 float8: bool = False) -> list[str]:
     """Why ``parallel`` (a ``ParallelConfig``) cannot train ``model`` (a ``ModelConfig``) on
-    this run; an empty list when the trainer runs it. One sentence per violated rule."""
+    this run; an empty list when the trainer runs it. One sentence per violated rule.
+
+    ``world_size`` None (a config inspected away from its cluster): with ``dp_shard=-1`` the
+    rules that depend on the data-parallel degree are skipped, except those a known part of
+    it already decides; with a fixed ``dp_shard`` the world is the product of the degrees.
+    ``micro_batch_size`` 0 (derived later) skips the rules that read it.
+    """
+    unresolved = world_size is None and parallel.dp_shard == -1
+    if world_size is None:
+        world_size = (parallel.dp_replicate * max(parallel.dp_shard, 1) * parallel.cp
+                      * parallel.tp * parallel.pp)
     dp_shard, problem = resolve_dp_shard(parallel, world_size)
     if problem:
         return [problem]
     fields = SimpleNamespace(**{k: getattr(parallel, k) for k in _LAYOUT_FIELDS},
-                             dp_shard=dp_shard, micro_batch_size=micro_batch_size,
+                             dp_shard=dp_shard, micro_batch_size=max(micro_batch_size, 1),
                              dp=parallel.dp_replicate * dp_shard)
     run = RunShape(seq_len=seq_len, global_batch_size=global_batch_size, world_size=world_size,
-                   compile=compile, document_masking=document_masking)
+                   compile=compile, document_masking=document_masking, batch_ramp=batch_ramp,
+                   float8=float8)
+    skip = ({"dp", "dp_shard"} if unresolved else set()) | (
+        {"micro_batch_size"} if micro_batch_size <= 0 else set())
     reasons = [rule.reason(fields, model, run) for rule in RULES
-               if rule.violated(fields, model, run)]
-    return reasons + _layer_split_reasons(parallel, model)
+               if _applies(rule, model, run, skip, unresolved)
+               and rule.violated(fields, model, run)]
+    stages = parallel.pp * parallel.pp_virtual_stages
+    return reasons + layer_split_reasons(parallel.pp_layer_split, stages, model.num_layers)
+
+
+def _applies(rule: Rule, model: Any, run: RunShape, skip: set[str], unresolved: bool) -> bool:
+    if not skip:
+        return True
+    if unresolved and rule.name in _SAFE_ON_PART_OF_DP and "micro_batch_size" not in skip:
+        return True
+    return not (fields_read(rule, model, run) & skip)
+
+
+def require(names: tuple[str, ...], fields: Any, model: Any = None,
+            run: RunShape | None = None) -> None:
+    """Raise ``ValueError`` with the reason of the first rule in ``names`` that ``fields``
+    breaks: the runtime guard of a builder that is handed only part of a layout (its own
+    degrees and options), stated by the same rules as `check_layout`."""
+    by_name = {rule.name: rule for rule in RULES}
+    for name in names:
+        rule = by_name[name]
+        if rule.violated(fields, model, run):
+            raise ValueError(rule.reason(fields, model, run))
 
 
 def runnable_mask(columns: Mapping[str, Any], model: Any, run: RunShape) -> Any:

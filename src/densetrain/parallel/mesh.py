@@ -44,26 +44,12 @@ class ParallelDims:
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
         """Resolve ``dp_shard=-1`` and check that the degrees multiply to ``world_size``."""
+        from densetrain.parallel.layout_check import resolve_dp_shard
+
         cfg.validate()
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        others = cfg.dp_replicate * cfg.cp * cfg.tp * cfg.pp
-        dp_shard = cfg.dp_shard
-        if dp_shard == -1:
-            if world_size % others != 0:
-                raise ValueError(
-                    f"parallel degrees dp_replicate={cfg.dp_replicate} × cp={cfg.cp} × "
-                    f"tp={cfg.tp} × pp={cfg.pp} = {others} do not divide the world size "
-                    f"{world_size}; dp_shard=-1 needs world_size to be a multiple of their product"
-                )
-            dp_shard = world_size // others
-        product = others * dp_shard
-        if product != world_size:
-            raise ValueError(
-                f"parallel degrees must multiply to the world size: dp_replicate="
-                f"{cfg.dp_replicate} × dp_shard={dp_shard} × cp={cfg.cp} × tp={cfg.tp} × "
-                f"pp={cfg.pp} = {product}, but world_size = {world_size}"
-            )
+        dp_shard, problem = resolve_dp_shard(cfg, world_size)
+        if problem:
+            raise ValueError(problem)
         return cls(
             dp_replicate=cfg.dp_replicate,
             dp_shard=dp_shard,
@@ -97,52 +83,6 @@ class ParallelDims:
     def is_single_process(self) -> bool:
         """True when every degree is 1 (no mesh, no collectives)."""
         return self.world_size == 1
-
-    # ------------------------------------------------------------------ validation
-    def validate_for_model(
-        self, model_cfg, seq_len: int, global_batch_size: int, *, sequence_parallel: bool = True
-    ) -> None:
-        """Check that the layout fits ``model_cfg`` (a ``ModelConfig``) and the batch shape.
-
-        Raises ``ValueError`` naming the violated constraint before any work is done.
-        """
-        heads, kv_heads = model_cfg.num_heads, model_cfg.num_kv_heads
-        if heads % self.tp != 0:
-            raise ValueError(
-                f"parallel.tp={self.tp} must divide the attention heads (model.num_heads={heads})"
-            )
-        if kv_heads % self.tp != 0 and self.tp % kv_heads != 0:
-            raise ValueError(
-                f"parallel.tp={self.tp} must divide model.num_kv_heads={kv_heads} (kv heads split "
-                "across ranks) or be a multiple of it (kv heads replicated, each rank keeping the "
-                "one its query heads use)"
-            )
-        if model_cfg.ffn_dim % self.tp != 0:
-            raise ValueError(
-                f"parallel.tp={self.tp} must divide model.ffn_dim={model_cfg.ffn_dim}"
-            )
-        if self.pp > model_cfg.num_layers:
-            raise ValueError(
-                f"parallel.pp={self.pp} stages cannot exceed model.num_layers="
-                f"{model_cfg.num_layers} (each stage needs at least one layer)"
-            )
-        if seq_len % (2 * self.cp) != 0 and self.cp > 1:
-            raise ValueError(
-                f"parallel.cp={self.cp} needs the sequence length {seq_len} to be a multiple of "
-                f"2 × cp = {2 * self.cp} (each cp rank holds two chunks that balance the causal "
-                "mask)"
-            )
-        local_seq_len = seq_len // self.cp
-        if sequence_parallel and self.tp > 1 and local_seq_len % self.tp != 0:
-            raise ValueError(
-                f"sequence parallel with parallel.tp={self.tp} needs the sequence length per cp "
-                f"rank ({seq_len} / cp={self.cp} = {local_seq_len}) to be a multiple of tp"
-            )
-        if global_batch_size % self.dp_size != 0:
-            raise ValueError(
-                f"the global batch size {global_batch_size} must be a multiple of the "
-                f"data-parallel degree dp_replicate × dp_shard = {self.dp_size}"
-            )
 
     # ------------------------------------------------------------------ mesh
     def active_axes(self) -> list[str]:

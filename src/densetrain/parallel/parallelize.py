@@ -21,22 +21,20 @@ from densetrain.parallel.mesh import ParallelDims, ParallelMesh
 
 
 def data_parallel_kind(dims: ParallelDims, cfg: ParallelConfig) -> str:
-    """How gradients are synchronised: "none", "ddp", "zero12" (ZeRO-1/2), "fsdp" or "hsdp"."""
-    if dims.fsdp_size == 1 and dims.dp_replicate == 1:
-        return "none"
+    """How gradients are synchronised: "none", "ddp", "zero12" (ZeRO-1/2), "fsdp" or "hsdp".
+
+    Raises ``ValueError`` (the data-parallel rules of ``parallel.layout_check``) for a
+    combination the trainer does not compose, so a direct caller cannot get one silently."""
+    from types import SimpleNamespace
+
+    from densetrain.parallel.layout_check import require
+
+    fields = SimpleNamespace(dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=dims.cp,
+                             tp=dims.tp, pp=dims.pp, zero_stage=cfg.zero_stage)
+    require(("ddp_without_tp_pp", "zero12_pure_dp"), fields)
     if dims.fsdp_size == 1:
-        if dims.tp > 1 or dims.pp > 1:
-            raise ValueError(
-                f"parallel.dp_replicate={dims.dp_replicate} with tp={dims.tp}, pp={dims.pp} and "
-                "dp_shard=1 is not supported: use dp_shard (FSDP) for the data-parallel degree"
-            )
-        return "ddp"
+        return "none" if dims.dp_replicate == 1 else "ddp"
     if cfg.zero_stage < 3:
-        if dims.tp > 1 or dims.pp > 1 or dims.cp > 1 or dims.dp_replicate > 1:
-            raise ValueError(
-                f"parallel.zero_stage={cfg.zero_stage} runs on pure data parallel (dp_shard only); "
-                "use zero_stage=3 to compose with tp, pp, cp or dp_replicate"
-            )
         return "zero12"
     return "hsdp" if dims.dp_replicate > 1 else "fsdp"
 

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
 from densetrain.parallel.config import ParallelConfig
+from densetrain.parallel.layout_check import layer_split_reasons, require
 from densetrain.parallel.mesh import ParallelMesh
 
 _SINGLE_STAGE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
@@ -33,18 +35,13 @@ _MULTI_STAGE = {
 def layer_split(num_layers: int, num_stages: int, given: list[int]) -> list[int]:
     """Layers per stage: ``given`` (checked) or as balanced as possible (when the layers do not
     divide evenly, the earlier stages take one extra layer each)."""
+    problems = layer_split_reasons(given, num_stages, num_layers)
+    if problems:
+        raise ValueError(problems[0])
     if given:
-        if len(given) != num_stages or sum(given) != num_layers:
-            raise ValueError(
-                f"parallel.pp_layer_split={given} must have pp × pp_virtual_stages = "
-                f"{num_stages} entries summing to model.num_layers={num_layers}"
-            )
         return list(given)
-    if num_stages > num_layers:
-        raise ValueError(
-            f"{num_stages} pipeline stages (pp × pp_virtual_stages) exceed model.num_layers="
-            f"{num_layers}: each stage needs at least one layer"
-        )
+    require(("pp_stages_have_layers",), SimpleNamespace(pp=num_stages, pp_virtual_stages=1),
+            SimpleNamespace(num_layers=num_layers))
     base, extra = divmod(num_layers, num_stages)
     return [base + (1 if i < extra else 0) for i in range(num_stages)]
 
@@ -58,8 +55,7 @@ def stage_ids_for_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> li
 
 def split_stage(model: nn.Module, stage: int, sizes: list[int]) -> nn.Module:
     """Keep in ``model`` (in place) only what stage ``stage`` of ``sizes`` runs."""
-    if getattr(model.config, "tie_embeddings", False):
-        raise ValueError("pipeline parallel needs untied embeddings (model.tie_embeddings=False)")
+    require(("pp_untied_embeddings",), SimpleNamespace(pp=len(sizes)), model.config)
     start = sum(sizes[:stage])
     keep = {str(i) for i in range(start, start + sizes[stage])}
     for name in list(model.layers.keys()):

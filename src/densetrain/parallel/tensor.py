@@ -95,30 +95,6 @@ def _block_plan(block: nn.Module, tp: int, sequence_parallel: bool) -> dict:
     return plan
 
 
-def _check_supported(model: nn.Module, tp: int) -> None:
-    cfg = model.config
-    if cfg.block_type != "sequential" or cfg.norm_position != "pre":
-        raise ValueError(
-            "tensor parallel supports pre-norm sequential blocks; got "
-            f"block_type={cfg.block_type!r}, norm_position={cfg.norm_position!r}"
-        )
-    if cfg.num_kv_heads % tp != 0 and tp % cfg.num_kv_heads != 0:
-        raise ValueError(
-            f"parallel.tp={tp} must divide model.num_kv_heads={cfg.num_kv_heads} (kv heads "
-            "split) or be a multiple of it (kv heads replicated)"
-        )
-    extras = [
-        n for n in ("project_in", "project_out", "pos_embeddings", "embed_norm")
-        if getattr(model, n, None) is not None
-    ]
-    if extras or cfg.tie_embeddings or cfg.qk_norm:
-        raise ValueError(
-            "tensor parallel supports untied embeddings without qk_norm, embedding projections, "
-            f"learned positions or an embedding norm; this model has modules {extras}, "
-            f"tie_embeddings={cfg.tie_embeddings}, qk_norm={cfg.qk_norm}"
-        )
-
-
 def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool) -> nn.Module:
     """Shard ``model`` (a ``Transformer`` or a pipeline stage of one) over the 1-D ``tp_mesh``.
 
@@ -126,8 +102,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool)
     the local ones. The model's output (logits, or hidden states of a non-last pipeline stage)
     is returned as a plain, full tensor on every tp rank.
     """
+    from types import SimpleNamespace
+
+    from densetrain.parallel.layout_check import require
+
     tp = tp_mesh.size()
-    _check_supported(model, tp)
+    # A direct caller (not through a validated job) gets the same refusal as a config.
+    require(("tp_divides_heads", "tp_and_kv_heads", "tp_divides_ffn", "tp_model_features"),
+            SimpleNamespace(tp=tp), model.config)
     seq_layout = Shard(1) if sequence_parallel else Replicate()
     top_plan: dict = {}
     if model.tok_embeddings is not None:
@@ -135,8 +117,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool)
             input_layouts=Replicate(), output_layouts=seq_layout
         )
     if model.output is not None:
-        if model.norm is None:
-            raise ValueError("tensor parallel of the output head needs the final norm (final_norm)")
         # ``Transformer.logits`` applies the head with F.linear on ``output.weight``, so only
         # the weight layout matters here; the final norm hands it a DTensor.
         top_plan["norm"] = (

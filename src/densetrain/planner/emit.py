@@ -14,7 +14,6 @@ import dataclasses
 from pathlib import Path
 
 from densetrain.models.config import ModelConfig
-from densetrain.parallel.layout_check import check_layout
 from densetrain.planner.layout import Layout
 
 
@@ -37,14 +36,10 @@ def plan_job(cfg: ModelConfig, layout: Layout, *, seq_len: int, global_batch: in
     job.training.micro_batch_size = layout.micro_batch_size
     job.training.global_batch_tokens = 0
     job.parallel = ParallelConfig(**layout.to_parallel_config())
-    job.validate(world_size=layout.devices)
-    model_cfg = job.build_model_config()
-    reasons = check_layout(job.parallel, model_cfg, seq_len=seq_len, global_batch_size=global_batch,
-                           micro_batch_size=layout.micro_batch_size, world_size=layout.devices,
-                           compile=job.training.compile,
-                           document_masking=job.data.document_masking)
-    if reasons:
-        raise ValueError("the planned layout cannot run: " + "; ".join(reasons))
+    try:  # job validation runs parallel.layout_check.check_layout, as the trainer does
+        job.validate(world_size=layout.devices)
+    except ValueError as err:
+        raise ValueError(f"the planned layout cannot run: {err}") from None
     return job
 
 

@@ -120,18 +120,19 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
     from densetrain.models import flops_per_token_palm, param_counts
     from densetrain.optim import build_lr_scheduler
     from densetrain.parallel.build import build_model
+    from densetrain.parallel.distributed import env_world_size
     from densetrain.parallel.mesh import ParallelDims
 
+    # The layout rules (parallel.layout_check, inside validate) run before any process group.
+    dims = ParallelDims.from_config(job.parallel, env_world_size())
+    job.validate(world_size=dims.world_size, dp_size=dims.dp_size)
     rank, world_size, local_rank = _init_distributed(job)
+    assert world_size == dims.world_size, "the process group disagrees with WORLD_SIZE"
     device = resolve_device(job.training.device, local_rank=local_rank)
     allocator_note = tune_host_allocator(job.training.host_allocator, device.type)
-    dims = ParallelDims.from_config(job.parallel, world_size)
-    job.validate(world_size=world_size, dp_size=dims.dp_size)
     pmesh = dims.build_mesh(device.type)
     data = build_data(job.data, dp_rank=pmesh.dp_rank, dp_size=dims.dp_size)
     model_cfg: ModelConfig = job.build_model_config(data.tokenizer.vocab_size)
-    dims.validate_for_model(model_cfg, job.data.seq_len, job.training.global_batch_size,
-                            sequence_parallel=job.parallel.sequence_parallel)
     seed_everything(job.training.seed)
     training = job.training
     model = build_model(

@@ -44,6 +44,6 @@ def test_a_stated_micro_batch_is_kept_and_checked():
     job = load_job_config(None, ["--training.micro_batch_size=4"])
     job.validate(world_size=2, dp_size=2)
     assert job.training.micro_batch_size == 4
-    with pytest.raises(ValueError, match="micro_batch_size × data-parallel size = 16 × 2"):
+    with pytest.raises(ValueError, match="micro_batch_size x data-parallel size = 16 x 2"):
         load_job_config(None, ["--training.micro_batch_size=16"]).validate(world_size=2,
                                                                             dp_size=2)

@@ -22,14 +22,14 @@ def _job(*overrides: str) -> JobConfig:
     (["--parallel.pp=2", "--training.global_batch_size=3"],
      r"batch of 3 sequences .* does not split into 2 pipeline microbatches"),
     (["--training.micro_batch_size=5"], r"global_batch_size=16 is not divisible by "
-                                        r"training.micro_batch_size × data-parallel size = 5 × 1"),
+                                        r"training.micro_batch_size x data-parallel size = 5 x 1"),
     (["--training.global_batch_tokens=1000"], r"global_batch_tokens=1000 is not divisible by "
                                               r"data.seq_len=256"),
     (["--training.global_batch_tokens=8192", "--training.global_batch_size=8"],
      r"global_batch_size=8 disagrees with .* = 32; set only one"),
     (["--schedule.warmup_steps=30", "--schedule.warmup_tokens=4096"],
      r"warmup_steps=30 and schedule.warmup_tokens=4096 are both set"),
-    (["--training.dtype=fp16"], r"training.dtype must be one of \['fp32', 'bf16'\]"),
+    (["--training.dtype=fp16"], r"training.dtype must be one of \['fp32', 'bf16', 'float8'\]"),
     (["--training.device=tpu"], r"training.device must be"),
     (["--schedule.name=wsd", "--schedule.decay_fraction=0.95"], r"wsd decay steps 285"),
     (["--schedule.min_lr_ratio=1.5"], r"schedule.min_lr_ratio must be in \[0, 1\]"),
@@ -41,6 +41,12 @@ def _job(*overrides: str) -> JobConfig:
     (["--training.micro_batch_size=4", "--schedule.batch_ramp_start=4",
       "--schedule.batch_ramp_tokens=100", "--schedule.batch_ramp_increment=6"],
      r"batch_ramp_increment=6 must be a multiple of .* = 4"),
+    (["--parallel.pp=2", "--schedule.batch_ramp_start=8", "--schedule.batch_ramp_tokens=9"],
+     r"parallel.pp=2 needs a constant batch"),
+    (["--parallel.tp=2", "--model.tie_embeddings=true"],
+     r"parallel.tp=2: tensor parallel does not support tie_embeddings=True"),
+    (["--parallel.cp=2", "--data.document_masking=true"],
+     r"parallel.cp=2 supports the plain causal mask only.*data.document_masking=True"),
     (["--schedule.name=rsqrt", "--schedule.warmup_steps=0"], r"rsqrt' needs schedule.warmup"),
     (["--optim.name=sgd", "--optim.fused=true"], r"optim.fused=true is only available"),
     (["--logging.peak_tflops=-1"], r"logging.peak_tflops must be a finite number >= 0"),
@@ -54,14 +60,16 @@ def test_world_size_rules():
     job = _job("--training.micro_batch_size=4")
     job.validate(world_size=4)  # dp_shard=-1 → dp 4: 16 = 4 × 4
     assert data_parallel_size(job, 4) == 4
-    with pytest.raises(ValueError, match=r"micro_batch_size × data-parallel size = 4 × 8 = 32"):
+    with pytest.raises(ValueError, match=r"micro_batch_size x data-parallel size = 4 x 8 = 32"):
         job.validate(world_size=8)
     job = _job("--parallel.tp=2", "--parallel.dp_shard=2", "--training.micro_batch_size=8")
     job.validate(world_size=4)
-    with pytest.raises(ValueError, match=r"must equal the world size 8"):
+    with pytest.raises(ValueError, match=r"multiply to the world size: .* = 4, but world_size = 8"):
         job.validate(world_size=8)
-    with pytest.raises(ValueError, match=r"not divisible by parallel.tp"):
+    with pytest.raises(ValueError, match=r"parallel.tp=3 must divide the attention heads"):
         _job("--parallel.tp=3").validate(world_size=4)
+    with pytest.raises(ValueError, match=r"tp=2 x pp=1 = 2 do not divide the world size 3"):
+        _job("--parallel.tp=2").validate(world_size=3)
 
 
 def test_warmup_tokens_and_ramp_resolve_to_steps():

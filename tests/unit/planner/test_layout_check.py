@@ -64,6 +64,7 @@ CASES = [
      "runs with tp=1 and cp=1 only"),
     ("relative_xl_without_tp_cp", dict(cp=2), dict(position_embedding="relative_xl"), {},
      "runs with tp=1 and cp=1 only"),
+    ("float8_without_tp", dict(tp=2), {}, dict(float8=True), "float8 runs with tp=1 only"),
     ("pp_stages_have_layers", dict(pp=8), {}, {}, "8 stages exceed model.num_layers=4"),
     ("pp_stages_have_layers", dict(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=4),
      {}, {}, "8 stages exceed"),
@@ -85,6 +86,7 @@ CASES = [
     ("pp_without_compile", dict(pp=2), {}, dict(compile=True), "training.compile"),
     ("pp_untied_embeddings", dict(pp=2), dict(tie_embeddings=True), {}, "untied embeddings"),
     ("pp_plain_causal", dict(pp=2), {}, dict(document_masking=True), "document_masking"),
+    ("pp_constant_batch", dict(pp=2), {}, dict(batch_ramp=True), "needs a constant batch"),
 ]
 
 
@@ -99,7 +101,8 @@ def test_each_rule_refuses_with_its_reason(rule, par, model_kw, run, words):
     fields.dp = fields.dp_replicate * fields.dp_shard
     shape = RunShape(seq_len=run.get("seq", 16), global_batch_size=run.get("batch", 8),
                      world_size=1, compile=run.get("compile", False),
-                     document_masking=run.get("document_masking", False))
+                     document_masking=run.get("document_masking", False),
+                     batch_ramp=run.get("batch_ramp", False), float8=run.get("float8", False))
     assert by_name[rule].violated(fields, model(**model_kw), shape)
 
 
@@ -123,6 +126,32 @@ def test_degrees_must_multiply_to_the_world():
     assert "multiply to the world size" in reasons(layout(tp=2, dp_shard=2), world=8)[0]
     assert "do not divide the world size 6" in reasons(layout(tp=4, dp_shard=-1), world=6)[0]
     assert reasons(layout(tp=2, dp_shard=-1), world=4) == []
+
+
+def test_without_a_world_size_only_what_the_config_fixes_is_checked():
+    def check(par, batch, mbs=1):
+        return check_layout(par, model(), seq_len=16, global_batch_size=batch,
+                            micro_batch_size=mbs, world_size=None)
+
+    # dp_shard=-1: the dp-dependent rules wait for the world size, except the batch split over
+    # the part of dp the config fixes (dp_replicate=2 with 3 sequences never splits).
+    assert check(layout(dp_shard=-1, pp=2, pp_microbatches=4), batch=6) == []
+    assert "global_batch_size=3 is not divisible" in check(layout(dp_shard=-1, dp_replicate=2),
+                                                           batch=3)[0]
+    # a fixed dp_shard: the world is the product of the degrees
+    assert "does not split into 4" in check(layout(dp_shard=2, pp=2, pp_microbatches=4),
+                                            batch=6)[0]
+    assert check(layout(tp=8, dp_shard=-1), batch=8)[0].startswith("parallel.tp=8 must divide")
+    # a micro-batch size still to be derived (0) skips the rules that read it
+    assert check(layout(dp_shard=2), batch=8, mbs=0) == []
+
+
+def test_require_raises_the_named_rules_reason():
+    from densetrain.parallel.layout_check import require
+
+    with pytest.raises(ValueError, match="zero_stage=1 runs on pure data parallel"):
+        require(("zero12_pure_dp",), layout(dp_shard=2, tp=2, zero_stage=1))
+    require(("zero12_pure_dp",), layout(dp_shard=2, zero_stage=1))
 
 
 def test_layer_split_must_match_the_stages():

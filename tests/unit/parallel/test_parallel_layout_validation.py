@@ -1,4 +1,5 @@
-"""Bad layouts are rejected before any work, with an error naming the constraint."""
+"""Bad layouts are rejected before any work, with an error naming the constraint; the
+builders' own guards give the reasons of the same layout rules."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 
 from densetrain.models.config import ModelConfig
 from densetrain.parallel.config import ParallelConfig
+from densetrain.parallel.layout_check import check_layout
 from densetrain.parallel.mesh import ParallelDims
 from densetrain.parallel.pipeline import bubble_fraction, layer_split, stage_ids_for_rank
 
@@ -29,31 +31,34 @@ def test_degrees_must_multiply_to_world_size():
         ParallelDims.from_config(ParallelConfig(tp=4), 6)
 
 
-@pytest.mark.parametrize(
-    ("layout", "world", "model_kw", "seq", "batch", "pattern"),
-    [
-        (dict(tp=8, dp_shard=1), 8, {}, 16, 8, r"tp=8 must divide the attention heads"),
-        # 3 kv heads on tp 2: neither divides the other, so no rank maps onto one kv head
-        (
-            dict(tp=2, dp_shard=1), 2, dict(dim=96, num_heads=6, num_kv_heads=3), 16, 8,
-            r"num_kv_heads=3",
-        ),
-        (dict(pp=8, dp_shard=1), 8, {}, 16, 8, r"pp=8 stages cannot exceed model.num_layers=4"),
-        (dict(cp=2, dp_shard=1), 2, {}, 18, 8, r"cp=2 needs the sequence length 18"),
-        (dict(dp_shard=4), 4, {}, 16, 6, r"global batch size 6 must be a multiple of .* = 4"),
-        (dict(tp=2, dp_shard=1), 2, {}, 15, 8, r"sequence parallel with parallel.tp=2"),
-    ],
-)
-def test_layout_that_does_not_fit_model_is_rejected(layout, world, model_kw, seq, batch, pattern):
-    dims = ParallelDims.from_config(ParallelConfig(**layout), world)
-    with pytest.raises(ValueError, match=pattern):
-        dims.validate_for_model(model_cfg(**model_kw), seq, batch)
+def test_builders_refuse_with_the_layout_check_reasons():
+    """The runtime guards of builders called directly (not through a validated job) give the
+    reason of the same ``parallel.layout_check`` rule a config gets."""
+    from densetrain.parallel.build import pipeline_microbatches
+    from densetrain.parallel.parallelize import data_parallel_kind
+
+    dims = ParallelDims.from_config(ParallelConfig(dp_shard=2, tp=2), 4)
+    with pytest.raises(ValueError, match="zero_stage=1 runs on pure data parallel"):
+        data_parallel_kind(dims, ParallelConfig(zero_stage=1))
+    assert data_parallel_kind(dims, ParallelConfig()) == "fsdp"
+    ddp = ParallelDims.from_config(ParallelConfig(dp_replicate=2, dp_shard=1, pp=2), 4)
+    with pytest.raises(ValueError, match="dp_replicate=2 with tp=1, pp=2"):
+        data_parallel_kind(ddp, ParallelConfig())
+    pp = ParallelDims.from_config(ParallelConfig(pp=2, dp_shard=1), 2)
+    with pytest.raises(ValueError, match="does not split into 3 pipeline microbatches"):
+        pipeline_microbatches(ParallelConfig(pp=2, pp_microbatches=3), pp, local_batch_size=8,
+                              micro_batch_size=1)
+    with pytest.raises(ValueError, match="needs at least pp microbatches per step, got 1"):
+        pipeline_microbatches(ParallelConfig(pp=2), pp, local_batch_size=4, micro_batch_size=4)
+    assert pipeline_microbatches(ParallelConfig(pp=2), pp, local_batch_size=8,
+                                 micro_batch_size=2) == 4
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])
 def test_kv_heads_fewer_than_tp_are_accepted(kv_heads):
-    dims = ParallelDims.from_config(ParallelConfig(tp=4, dp_shard=1), 4)
-    dims.validate_for_model(model_cfg(num_kv_heads=kv_heads), 16, 8)
+    par = ParallelConfig(tp=4, dp_shard=1)
+    assert check_layout(par, model_cfg(num_kv_heads=kv_heads), seq_len=16, global_batch_size=8,
+                        micro_batch_size=1, world_size=4) == []
 
 
 @pytest.mark.parametrize(
@@ -85,7 +90,7 @@ def test_layer_split_balanced_given_and_rejected():
     assert layer_split(4, 2, [1, 3]) == [1, 3]
     with pytest.raises(ValueError, match="summing to model.num_layers=4"):
         layer_split(4, 2, [1, 2])
-    with pytest.raises(ValueError, match="exceed model.num_layers=4"):
+    with pytest.raises(ValueError, match="8 stages exceed model.num_layers=4"):
         layer_split(4, 8, [])
 
 
