@@ -42,11 +42,11 @@ def test_cpu_probe_is_a_plausible_matmul_rate() -> None:
 
 
 def test_metrics_writer_drops_steps_after_the_resumed_checkpoint(tmp_path) -> None:
-    writer = MetricsWriter(tmp_path, tensorboard=False)
+    writer = MetricsWriter(tmp_path)
     for step in range(1, 6):
         writer.write({"step": step, "loss": 1.0 / step})
     writer.close()
-    writer = MetricsWriter(tmp_path, tensorboard=False, resume_step=3)
+    writer = MetricsWriter(tmp_path, resume_step=3)
     writer.write({"step": 4, "loss": 0.3})
     writer.close()
     assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [
