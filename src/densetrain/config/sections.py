@@ -197,9 +197,24 @@ class LoggingConfig:
         _choice("logging.wandb_mode", self.wandb_mode, WANDB_MODES)
         if self.wandb and not self.wandb_project:
             raise ValueError("logging.wandb_project must be a non-empty W&B project name")
+        if self.wandb and not _installed("wandb"):
+            raise ValueError(
+                "logging.wandb=true needs the wandb package, which is not installed: "
+                "pip install 'densetrain[wandb]' (or set --logging.wandb=false)"
+            )
 
 
 WANDB_MODES = ("", "online", "offline", "disabled")
+
+
+def _installed(module: str) -> bool:
+    """True when ``module`` can be imported (without importing it)."""
+    import importlib.util
+    import sys
+
+    if module in sys.modules:  # None there: blocked, as if not installed
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -23,7 +23,7 @@ TENSORBOARD_MISSING = (
 WANDB_MISSING = (
     "logging.wandb=true needs the wandb package, which is not installed: "
     "pip install 'densetrain[wandb]' (or set --logging.wandb=false)"
-)
+)  # also checked by LoggingConfig.validate, before any work
 
 
 class RecordSink(Protocol):

@@ -115,3 +115,20 @@ def test_wandb_offline_run_holds_the_records_and_the_config(make_job, tmp_path) 
         for key, value in record.items():
             assert logged[key] == pytest.approx(value, rel=1e-12), key
     assert run_config == tomllib.loads(job_config_to_toml(job))
+
+
+def test_wandb_requested_but_not_installed_fails_before_any_work(make_job, tmp_path,
+                                                                 monkeypatch, capsys) -> None:
+    from densetrain.cli.main import main
+    from densetrain.testing import TINY_OVERRIDES
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    cache = make_job().data.cache_dir
+    code = main(["train", *TINY_OVERRIDES, f"--data.cache_dir={cache}",
+                 f"--logging.run_dir={tmp_path / 'nowandb'}", "--logging.wandb=true"])
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "logging.wandb=true" in lines[0], err
+    assert "pip install 'densetrain[wandb]'" in lines[0] and "Traceback" not in err
+    assert not (tmp_path / "nowandb").exists()
