@@ -87,7 +87,9 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"densetrain train: stopped by {summary['preempted']} after step "
               f"{summary['steps']}; checkpoint {summary['checkpoint']}", file=sys.stderr)
         return 128 + int(signal.Signals[summary["preempted"]])
+    if summary.get("already_finished"):  # said in one line by the trainer; nothing to print
+        return 0
     if os.environ.get("RANK", "0") == "0":  # torchrun's global rank; the process group is gone
-        printable = {k: v for k, v in summary.items() if k != "sample"}
+        printable = {k: v for k, v in summary.items() if k not in ("sample", "samples")}
         print(json.dumps(printable, indent=2))
     return 0

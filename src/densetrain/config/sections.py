@@ -134,7 +134,8 @@ class EvalConfig:
         interval: evaluate every this many steps; 0 turns evaluation off.
         num_batches: validation batches (of ``training.global_batch_size`` sequences, the same
             on every layout) per evaluation.
-        sample_prompt: prompt of the greedy sample generated at each evaluation; empty = none.
+        sample_prompt: prompt of the greedy sample generated after the last step (and every
+            ``logging.sample_interval`` steps); empty = none.
         sample_tokens: new tokens in that sample.
     """
 
@@ -157,13 +158,28 @@ class LoggingConfig:
     Attributes:
         run_dir: directory of metrics (JSONL), TensorBoard events, plots and, by default,
             checkpoints.
-        log_interval: log metrics every this many steps.
-        tensorboard: also write TensorBoard events (when tensorboard is installed).
-        progress: show a progress bar.
+        log_interval: log metrics every this many steps (also at evaluations and the last
+            step): a ``metrics.jsonl`` record, TensorBoard and W&B, and the progress bar or a
+            plain line on stderr.
+        tensorboard: also write TensorBoard events to ``<run_dir>/tensorboard``; needs the
+            ``tensorboard`` extra (``pip install 'densetrain[tensorboard]'``). Without it the run
+            says so once at start and writes the other logs.
+        progress: a progress bar when stdout and stderr are terminals; otherwise (a pipe, a
+            file, a batch job) or with ``progress=false`` a plain line per logged step.
         plot: write a loss-curve PNG at the end of the run.
         peak_tflops: peak TFLOP/s of one device that MFU divides by; 0 takes it from the
-            accelerator table (GPU) or a matmul probe at start (CPU). A fixed figure keeps MFU
-            comparable across runs on a shared machine, where the probe varies with load.
+            accelerator table (GPU) or a matmul probe at start (CPU, best of several runs). A
+            fixed figure keeps MFU comparable across runs on a shared machine, where the probe
+            varies with load.
+        sample_interval: also print the greedy sample (``eval.sample_prompt``) every this many
+            steps during training; 0 = only after the last step.
+        wandb: also log every metrics record to Weights & Biases (the ``wandb`` extra), with
+            the resolved job config as the W&B run config.
+        wandb_project: W&B project name.
+        wandb_name: W&B run name; empty = the name of ``run_dir``.
+        wandb_dir: directory of W&B's local files; empty = ``run_dir``.
+        wandb_mode: ``online``, ``offline`` (files only, ``wandb sync`` uploads them later) or
+            ``disabled``; empty = the ``WANDB_MODE`` environment variable, else online.
     """
 
     run_dir: str = "runs/default"
@@ -172,17 +188,45 @@ class LoggingConfig:
     progress: bool = True
     plot: bool = True
     peak_tflops: float = 0.0
+    sample_interval: int = 0
+    wandb: bool = False
+    wandb_project: str = "densetrain"
+    wandb_name: str = ""
+    wandb_dir: str = ""
+    wandb_mode: str = ""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming ``logging.<field>`` when a value is out of range."""
         if not self.run_dir:
             raise ValueError("logging.run_dir must be a non-empty directory path")
         _int_at_least("logging.log_interval", self.log_interval, 1)
+        _int_at_least("logging.sample_interval", self.sample_interval, 0)
         if not (math.isfinite(self.peak_tflops) and self.peak_tflops >= 0):
             raise ValueError(
                 f"logging.peak_tflops must be a finite number >= 0 (0 = measure or look up), "
                 f"got {self.peak_tflops}"
             )
+        _choice("logging.wandb_mode", self.wandb_mode, WANDB_MODES)
+        if self.wandb and not self.wandb_project:
+            raise ValueError("logging.wandb_project must be a non-empty W&B project name")
+        if self.wandb and not _installed("wandb"):
+            raise ValueError(
+                "logging.wandb=true needs the wandb package, which is not installed: "
+                "pip install 'densetrain[wandb]' (or set --logging.wandb=false)"
+            )
+
+
+WANDB_MODES = ("", "online", "offline", "disabled")
+
+
+def _installed(module: str) -> bool:
+    """True when ``module`` can be imported (without importing it)."""
+    import importlib.util
+    import sys
+
+    if module in sys.modules:  # None there: blocked, as if not installed
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

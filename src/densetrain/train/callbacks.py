@@ -9,15 +9,31 @@ exception).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+from densetrain.config.sections import LoggingConfig
 from densetrain.train.device import peak_memory_bytes, peak_rss_bytes
 from densetrain.train.evaluation import mean_over_ranks, sample_text
-from densetrain.train.metrics import MetricsWriter, mfu, read_metrics
+from densetrain.train.loggers import (
+    TENSORBOARD_MISSING,
+    RecordSink,
+    WandbSink,
+    format_log_line,
+    open_tensorboard,
+    terminal_output,
+)
+from densetrain.train.metrics import MetricsWriter, mfu, mfu_warning, read_metrics
 from densetrain.train.state import Progress, RunParts, StepReport
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 
 class Callback:
@@ -49,40 +65,64 @@ class Callback:
 
 
 class MetricsLogger(Callback):
-    """Every ``log_interval`` steps (and at evaluations and the last step): a metrics line,
-    TensorBoard, the progress bar. The first record also holds the model-state bytes of each
-    rank (parameters, gradients, optimizer states: ``parallel.memory.rank_memory``)."""
+    """Every ``log_interval`` steps (and at evaluations and the last step): a metrics record
+    to ``metrics.jsonl`` and the sinks (TensorBoard, W&B), and to the console: the progress bar
+    when stdout and stderr are terminals and ``progress`` is on, else one plain line on stderr
+    (no carriage-return redraws into a log file). The first record also holds the model-state
+    bytes of each rank (parameters, gradients, optimizer states: ``parallel.memory.rank_memory``).
+    An MFU above 100% is warned about once (the peak it divides by is too low)."""
 
-    def __init__(self, *, log_interval: int, tensorboard: bool, progress: bool) -> None:
-        self.log_interval = log_interval
-        self.tensorboard = tensorboard
-        self.progress = progress
+    def __init__(self, *, config: LoggingConfig) -> None:
+        self.config = config
+        self.log_interval = config.log_interval
         self.writer: MetricsWriter | None = None
         self.bar = None
+        self.line_log = False
         self._last_tokens = 0
         self._last_seconds = 0.0
         self._skipped = 0
         self._first = True
         self._final_loss = float("nan")
+        self._val_loss = float("nan")
+        self._mfu_warning = ""
+        self._start = (0.0, 0)
 
     def on_train_start(self, parts: RunParts, progress: Progress) -> None:
-        """Open the metrics file (dropping lines after the resumed step) and the progress bar."""
-        if parts.is_main:
-            self.writer = MetricsWriter(parts.run_dir, tensorboard=self.tensorboard,
-                                        resume_step=progress.step)
-        if parts.is_main and self.progress:
+        """Open the metrics file (dropping lines after the resumed step), the sinks, and the
+        progress bar or the line log."""
+        self._start = (time.perf_counter(), progress.step)
+        if not parts.is_main:
+            return
+        self.writer = MetricsWriter(parts.run_dir, resume_step=progress.step,
+                                    sinks=self._open_sinks(parts, progress))
+        if self.config.progress and terminal_output():
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=parts.training.steps, initial=progress.step, unit="step",
                             dynamic_ncols=True, file=sys.stderr, desc="train")
+        else:
+            self.line_log = True
+
+    def _open_sinks(self, parts: RunParts, progress: Progress) -> list[RecordSink]:
+        sinks: list[RecordSink] = []
+        if self.config.tensorboard:
+            board = open_tensorboard(parts.run_dir, resume_step=progress.step)
+            if board is None:
+                print(TENSORBOARD_MISSING, file=sys.stderr)
+            else:
+                sinks.append(board)
+        if self.config.wandb:
+            sinks.append(WandbSink(
+                run_dir=parts.run_dir, project=self.config.wandb_project,
+                name=self.config.wandb_name, directory=self.config.wandb_dir,
+                mode=self.config.wandb_mode, config=tomllib.loads(parts.config_toml)))
+        return sinks
 
     def on_rollback(self, parts: RunParts, progress: Progress) -> None:
         """Drop the metrics of the undone steps (``faults.jsonl`` keeps the spike) and move
         the bar back."""
         if self.writer is not None:
-            self.writer.close()
-            self.writer = MetricsWriter(parts.run_dir, tensorboard=self.tensorboard,
-                                        resume_step=progress.step)
+            self.writer.rewind(progress.step)
         if self.bar is not None:
             self.bar.n = progress.step
             self.bar.refresh()
@@ -95,16 +135,40 @@ class MetricsLogger(Callback):
         due = report.step % self.log_interval == 0 or report.is_last or report.eval
         if not due:
             return
-        record = self._record(parts, report)
+        record = self._record(parts, report)  # a collective: every rank takes part
         self._final_loss = record["loss"]
-        if self.writer is not None:
-            self.writer.write(record)
+        self._val_loss = record.get("val_loss", self._val_loss)
+        if self.writer is None:
+            return
+        self.writer.write(record)
+        warning = mfu_warning(record["mfu"], parts.peak_flops, parts.peak_source)
+        if warning and not self._mfu_warning:
+            self._mfu_warning = warning
+            self._say(f"warning: {warning}")
+        self._show(record, report)
+
+    def _say(self, text: str) -> None:
         if self.bar is not None:
-            self.bar.set_postfix(
-                loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{100 * record['mfu']:.1f}%",
-                refresh=False,
-            )
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def _show(self, record: dict[str, Any], report: StepReport) -> None:
+        if self.bar is not None:
+            postfix = {"loss": f"{record['loss']:.4f}"}
+            if math.isfinite(self._val_loss):
+                postfix["val"] = f"{self._val_loss:.4f}"
+            postfix.update(lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}",
+                           mfu=f"{100 * record['mfu']:.1f}%")
+            self.bar.set_postfix(postfix, refresh=False)
+        elif self.line_log:
+            started, start_step = self._start
+            done = report.step - start_step
+            eta = ((time.perf_counter() - started) / done * (report.total_steps - report.step)
+                   if done > 0 else math.nan)
+            print(format_log_line(record, total_steps=report.total_steps,
+                                  val_loss=self._val_loss, eta_s=eta),
+                  file=sys.stderr, flush=True)
 
     def _record(self, parts: RunParts, report: StepReport) -> dict[str, Any]:
         seconds = max(report.process_train_seconds - self._last_seconds, 1e-9)
@@ -136,11 +200,14 @@ class MetricsLogger(Callback):
         return record
 
     def summary(self) -> dict[str, Any]:
-        """The last logged training loss."""
-        return {"final_loss": self._final_loss}
+        """The last logged training loss (and the MFU warning, when one was given)."""
+        entries: dict[str, Any] = {"final_loss": self._final_loss}
+        if self._mfu_warning:
+            entries["mfu_warning"] = self._mfu_warning
+        return entries
 
     def close(self) -> None:
-        """Release files and the bar."""
+        """Release the files, the sinks and the bar."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
@@ -150,22 +217,44 @@ class MetricsLogger(Callback):
 
 
 class Sampler(Callback):
-    """A short greedy continuation of a prompt from the final model, printed by rank 0 (every
-    rank takes part: a sharded or pipelined model needs them all)."""
+    """A short greedy continuation of a prompt, printed by rank 0: every ``interval`` steps
+    during training (0: never) and from the final model (every rank takes part: a sharded or
+    pipelined model needs them all)."""
 
-    def __init__(self, *, prompt: str, max_new_tokens: int) -> None:
+    def __init__(self, *, prompt: str, max_new_tokens: int, interval: int = 0) -> None:
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
+        self.interval = interval
         self.sample = ""
+        self.samples: list[dict[str, Any]] = []
+
+    @property
+    def enabled(self) -> bool:
+        """True when there is a prompt and tokens to generate."""
+        return bool(self.prompt) and self.max_new_tokens > 0
+
+    def on_step_end(self, parts: RunParts, progress: Progress, report: StepReport) -> None:
+        """Generate on the cadence (the last step's sample comes from `on_train_end`)."""
+        if self.enabled and self.interval and report.step % self.interval == 0 \
+                and not report.is_last:
+            text = sample_text(parts, self.prompt, self.max_new_tokens)
+            self.samples.append({"step": report.step, "text": text})
+
+    def on_rollback(self, parts: RunParts, progress: Progress) -> None:
+        """Forget the samples of the undone steps."""
+        self.samples = [s for s in self.samples if s["step"] <= progress.step]
 
     def on_train_end(self, parts: RunParts, progress: Progress) -> None:
         """Generate and print."""
-        if self.prompt and self.max_new_tokens > 0:
+        if self.enabled:
             self.sample = sample_text(parts, self.prompt, self.max_new_tokens)
 
     def summary(self) -> dict[str, Any]:
-        """The sample text."""
-        return {"sample": self.sample}
+        """The final sample text (and, with an interval, the ones during training)."""
+        entries: dict[str, Any] = {"sample": self.sample}
+        if self.interval:
+            entries["samples"] = self.samples
+        return entries
 
 
 class Checkpointer(Callback):

@@ -1,10 +1,11 @@
-"""Throughput and model FLOPs utilisation (MFU), and the metrics writers (JSONL, TensorBoard).
+"""Throughput and model FLOPs utilisation (MFU), the peak it divides by, the metrics JSONL.
 
 MFU = achieved model FLOP/s ÷ peak FLOP/s of the devices (Chowdhery et al. 2022, PaLM §4.1 and
 Appendix B), with model FLOPs per token from `densetrain.models.sizing.flops_per_token_palm`
 (6N + 12·L·H·Q·T: rematerialisation is not counted). Peaks of accelerators come from a table of
 vendor datasheet dense (non-sparse) numbers; on CPU the peak is measured with a short matmul
-probe, because CPU peaks depend on core count, clocks and the instruction set in use.
+probe (best of several spaced runs), because CPU peaks depend on core count, clocks and the
+instruction set in use; ``logging.peak_tflops`` pins it instead. Each run says which it used.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,24 +47,41 @@ ACCELERATOR_PEAK_TFLOPS: dict[str, tuple[float, float]] = {
 
 _CPU_PEAK_CACHE: dict[tuple[str, int], float] = {}
 
+CPU_PROBE_RUNS = 5
+"""Timed runs of the CPU peak probe; the best one is the peak."""
 
-def accelerator_peak_flops(device_name: str, dtype: str) -> float | None:
-    """Peak FLOP/s of a named accelerator for ``dtype`` ("bf16"/"fp32"), or None if unknown.
+MFU_WARNING_THRESHOLD = 1.0
+"""MFU above this (100%) means the peak it divides by is too low."""
+
+
+def accelerator_table_key(device_name: str) -> str | None:
+    """The `ACCELERATOR_PEAK_TFLOPS` key of a device name, or None if unknown.
 
     The longest table key contained in ``device_name`` wins ("NVIDIA H100 80GB HBM3" → "H100").
     """
     matches = [key for key in ACCELERATOR_PEAK_TFLOPS if key.lower() in device_name.lower()]
-    if not matches:
+    return max(matches, key=len) if matches else None
+
+
+def accelerator_peak_flops(device_name: str, dtype: str) -> float | None:
+    """Peak FLOP/s of a named accelerator for ``dtype`` ("bf16"/"fp32"), or None if unknown."""
+    key = accelerator_table_key(device_name)
+    if key is None:
         return None
-    bf16, fp32 = ACCELERATOR_PEAK_TFLOPS[max(matches, key=len)]
+    bf16, fp32 = ACCELERATOR_PEAK_TFLOPS[key]
     return (bf16 if dtype == "bf16" else fp32) * 1e12
 
 
-def measure_cpu_peak_flops(dtype: str = "fp32", *, size: int = 1024, seconds: float = 0.3) -> float:
-    """Best sustained FLOP/s of a square matmul on this CPU with the current thread count.
+def measure_cpu_peak_flops(dtype: str = "fp32", *, size: int = 1024, runs: int = CPU_PROBE_RUNS,
+                           seconds_per_run: float = 0.06, pause_s: float = 0.02) -> float:
+    """Best sustained FLOP/s of square matmuls on this CPU with the current thread count.
 
-    Cached per (dtype, threads). ``size`` 1024 keeps the probe in cache-friendly, MKL/oneDNN
-    peak territory; the best of several timed repetitions over ``seconds`` is returned.
+    ``runs`` short runs, each timing back-to-back ``size``² matmuls for about
+    ``seconds_per_run`` as one rate, with a pause between runs; the best run is the peak. One
+    run on a machine shared with other work reads low when a neighbour is busy at that moment
+    (and MFU against it then reads high); the best of several spaced runs is the rate this CPU
+    reaches when it is free. Cached per (dtype, threads). ``size`` 1024 keeps the probe in
+    cache-friendly, MKL/oneDNN peak territory.
     """
     threads = torch.get_num_threads()
     key = (dtype, threads)
@@ -73,15 +92,17 @@ def measure_cpu_peak_flops(dtype: str = "fp32", *, size: int = 1024, seconds: fl
     a = torch.randn(size, size, generator=gen).to(torch_dtype)
     b = torch.randn(size, size, generator=gen).to(torch_dtype)
     torch.mm(a, b)  # warm-up (thread pool, kernel selection)
-    best = math.inf
-    deadline = time.perf_counter() + seconds
-    repeats = 0
-    while repeats < 3 or time.perf_counter() < deadline:
+    best_rate = 0.0
+    for run in range(runs):
+        if run:
+            time.sleep(pause_s)
+        matmuls = 0
         start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-        repeats += 1
-    peak = 2.0 * size**3 / best
+        while matmuls < 2 or time.perf_counter() - start < seconds_per_run:
+            torch.mm(a, b)
+            matmuls += 1
+        best_rate = max(best_rate, matmuls / (time.perf_counter() - start))
+    peak = 2.0 * size**3 * best_rate
     _CPU_PEAK_CACHE[key] = peak
     return peak
 
@@ -90,13 +111,37 @@ def device_peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
     """Peak FLOP/s of one ``device`` for ``dtype`` and where the figure came from."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        peak = accelerator_peak_flops(name, dtype)
-        if peak is not None:
-            return peak, f"datasheet {name}"
-        return math.nan, f"unknown accelerator {name} (add it to ACCELERATOR_PEAK_TFLOPS)"
+        key = accelerator_table_key(name)
+        if key is not None:
+            peak = accelerator_peak_flops(name, dtype)
+            return peak, f"device table: {key} {dtype} ({name})"
+        return math.nan, (f"unknown accelerator {name}: pin logging.peak_tflops (or add it to "
+                          "ACCELERATOR_PEAK_TFLOPS)")
     if device.type == "cpu":
-        return measure_cpu_peak_flops(dtype), f"cpu matmul probe, {torch.get_num_threads()} threads"
-    return math.nan, f"no peak known for device type {device.type}"
+        peak = measure_cpu_peak_flops(dtype)
+        return peak, (f"probed best of {CPU_PROBE_RUNS} {dtype} matmul runs, "
+                      f"{torch.get_num_threads()} threads")
+    return math.nan, f"no peak known for device type {device.type}: pin logging.peak_tflops"
+
+
+PINNED_PEAK_SOURCE = "pinned by logging.peak_tflops"
+
+
+def run_peak_flops(device: torch.device, dtype: str, pinned_tflops: float) -> tuple[float, str]:
+    """The peak FLOP/s of one device that the run's MFU divides by, and its source: the
+    pinned ``logging.peak_tflops`` when > 0, else `device_peak_flops`."""
+    if pinned_tflops > 0:
+        return pinned_tflops * 1e12, PINNED_PEAK_SOURCE
+    return device_peak_flops(device, dtype)
+
+
+def mfu_warning(mfu_value: float, peak_flops: float, peak_source: str) -> str | None:
+    """The warning for an MFU above 100% (the peak it divides by is too low), else None."""
+    if not (mfu_value > MFU_WARNING_THRESHOLD):  # NaN: no warning
+        return None
+    return (f"MFU {100 * mfu_value:.0f}% is above 100%, so the peak it divides by, "
+            f"{peak_flops / 1e12:.3g} TFLOP/s per device ({peak_source}), is too low for this "
+            "machine; set --logging.peak_tflops to the device's real peak")
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, num_devices: int) -> float:
@@ -107,45 +152,50 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, num_devi
 
 
 class MetricsWriter:
-    """Appends one JSON object per logged step to ``metrics.jsonl``; mirrors to TensorBoard.
+    """Appends one JSON object per logged step to ``metrics.jsonl`` and hands the same record
+    to each sink (TensorBoard, W&B: `densetrain.train.loggers`).
 
     On resume, lines of steps after ``resume_step`` (written by the interrupted run after its
-    last checkpoint) are dropped so that the file describes the run that continues.
+    last checkpoint) are dropped so that the file describes the run that continues; `rewind`
+    does the same after a rollback.
     """
 
-    def __init__(
-        self, run_dir: str | os.PathLike, *, tensorboard: bool, resume_step: int | None = None
-    ) -> None:
+    def __init__(self, run_dir: str | os.PathLike, *, resume_step: int | None = None,
+                 sinks: Sequence[Any] = ()) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._truncate_after(resume_step)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self._tb = _open_tensorboard(self.path.parent) if tensorboard else None
+        self.sinks = list(sinks)
+        self._file = None
+        self._open(resume_step)
 
-    def _truncate_after(self, resume_step: int | None) -> None:
-        if not self.path.exists():
-            return
-        lines = self.path.read_text(encoding="utf-8").splitlines()
-        kept = [ln for ln in lines if ln.strip() and _line_step(ln) <= (resume_step or 0)]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+    def _open(self, resume_step: int | None) -> None:
+        if self.path.exists():
+            lines = self.path.read_text(encoding="utf-8").splitlines()
+            kept = [ln for ln in lines if ln.strip() and _line_step(ln) <= (resume_step or 0)]
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
+            os.replace(tmp, self.path)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append ``record`` (must hold ``step``) and flush."""
+        """Append ``record`` (must hold ``step``), flush, and pass it to the sinks."""
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-                if key != "step" and numeric:
-                    self._tb.add_scalar(key, value, global_step=record["step"])
+        for sink in self.sinks:
+            sink.write(record)
+
+    def rewind(self, step: int) -> None:
+        """Drop the records after ``step`` (a rollback): from the file and in the sinks."""
+        self._file.close()
+        self._open(step)
+        for sink in self.sinks:
+            sink.rewind(step)
 
     def close(self) -> None:
-        """Close the files."""
+        """Close the file and the sinks."""
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def _line_step(line: str) -> int:
@@ -153,14 +203,6 @@ def _line_step(line: str) -> int:
         return int(json.loads(line).get("step", 0))
     except (ValueError, AttributeError):
         return 0
-
-
-def _open_tensorboard(run_dir: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard not installed: JSONL only, as documented
-        return None
-    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from densetrain.parallel.mesh import ParallelMesh
 from densetrain.parallel.model import LaidOutModel
 from densetrain.train.device import autocast_factory, resolve_device
 from densetrain.train.host_malloc import tune_host_allocator
-from densetrain.train.metrics import device_peak_flops
+from densetrain.train.metrics import run_peak_flops
 from densetrain.train.state import ModelSizes, Progress, RunParts
 
 
@@ -101,7 +101,7 @@ def _announce(config_toml: str, counts: ParamCounts, world_size: int, device: to
     print(
         f"model: {counts.total / 1e6:.2f}M parameters ({counts.non_embedding / 1e6:.2f}M "
         f"non-embedding), {world_size} process(es) on {device}, peak {peak / 1e12:.3g} "
-        f"TFLOP/s ({peak_source})",
+        f"TFLOP/s per device, {peak_source}",
         file=sys.stderr,
     )
 
@@ -147,10 +147,8 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
     optimizer = _build_optimizer(model, pmesh, job)
     run_dir = Path(job.logging.run_dir)
     counts = param_counts(model_cfg)
-    if job.logging.peak_tflops > 0:
-        peak, peak_source = job.logging.peak_tflops * 1e12, "logging.peak_tflops"
-    else:
-        peak, peak_source = device_peak_flops(device, _bf16_if_float8(training.dtype))
+    peak, peak_source = run_peak_flops(device, _bf16_if_float8(training.dtype),
+                                       job.logging.peak_tflops)
     config_toml = job_config_to_toml(job)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,6 @@ One job, as the code runs it::
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -49,9 +48,9 @@ from densetrain.train.watchdog import HangWatchdog, start_watchdog
 def default_callbacks(job: JobConfig) -> list[Callback]:
     """Logging, checkpoints, the sample and the plot, as the job's config asks."""
     callbacks: list[Callback] = [
-        MetricsLogger(log_interval=job.logging.log_interval, tensorboard=job.logging.tensorboard,
-                      progress=job.logging.progress),
-        Sampler(prompt=job.eval.sample_prompt, max_new_tokens=job.eval.sample_tokens),
+        MetricsLogger(config=job.logging),
+        Sampler(prompt=job.eval.sample_prompt, max_new_tokens=job.eval.sample_tokens,
+                interval=job.logging.sample_interval),
     ]
     if job.checkpoint.enabled:
         callbacks.append(Checkpointer(interval=job.checkpoint.interval,
@@ -98,11 +97,9 @@ class RunLoop:
         self.guard.start(parts)
         for callback in self.callbacks:
             callback.on_train_start(parts, progress)
-        steps_run = 0
         while progress.step < total_steps:
             self.phases.begin(progress.step + 1)
             report = self.step(total_steps)
-            steps_run += 1
             self.phases.enter("fault checks")
             if self.guard.after_step(parts, progress, report):  # rolled back: the step is void
                 for callback in self.callbacks:
@@ -125,8 +122,6 @@ class RunLoop:
                 return
             self.phases.end()
         self.phases.stop()  # the closing evaluation, checkpoint and sample are unwatched
-        if steps_run == 0 and self.evaluator.interval > 0:  # a resumed, already finished run
-            self.last_val_loss = self.evaluator.evaluate(parts).get("val_loss", math.nan)
         for callback in self.callbacks:
             callback.on_train_end(parts, progress)
 
@@ -218,10 +213,11 @@ def summarize(parts: RunParts, progress: Progress, loop: RunLoop,
               callbacks: Sequence[Callback]) -> dict[str, Any]:
     """The run's summary (also written to ``summary.json``): throughput and MFU over this
     process's own tokens and time."""
-    from densetrain.train.metrics import mfu
+    from densetrain.train.metrics import mfu, mfu_warning
 
     seconds = loop.process_train_seconds
     tokens_per_s = loop.process_tokens / seconds if seconds else 0.0
+    run_mfu = mfu(tokens_per_s, parts.sizes.flops_per_token, parts.peak_flops, parts.world_size)
     summary: dict[str, Any] = {
         "final_loss": float("nan"),
         "final_val_loss": loop.last_val_loss,
@@ -233,8 +229,7 @@ def summarize(parts: RunParts, progress: Progress, loop: RunLoop,
         "flops_per_token": parts.sizes.flops_per_token,
         "process_tokens": loop.process_tokens,
         "tokens_per_s": tokens_per_s,
-        "mfu": mfu(tokens_per_s, parts.sizes.flops_per_token, parts.peak_flops,
-                   parts.world_size),
+        "mfu": run_mfu,
         "peak_flops_per_device": parts.peak_flops,
         "peak_flops_source": parts.peak_source,
         "world_size": parts.world_size,
@@ -244,6 +239,9 @@ def summarize(parts: RunParts, progress: Progress, loop: RunLoop,
         "plot": "",
         "sample": "",
     }
+    warning = mfu_warning(run_mfu, parts.peak_flops, parts.peak_source)
+    if warning:
+        summary["mfu_warning"] = warning
     for callback in callbacks:
         summary.update(callback.summary())
     return summary
@@ -258,6 +256,23 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
     return path
 
 
+def finished_run_summary(parts: RunParts, progress: Progress) -> dict[str, Any]:
+    """The summary of a run resumed at or past its last step: the stored ``summary.json``
+    (never rewritten: this process trained nothing) with ``already_finished`` set; rank 0
+    says so in one line."""
+    path = parts.run_dir / "summary.json"
+    stored: dict[str, Any] = {}
+    if path.is_file():
+        stored = json.loads(path.read_text(encoding="utf-8"))
+    note = f"summary {path} kept" if stored else "no summary.json was written by the run"
+    if parts.is_main:
+        print(f"densetrain train: the run in {parts.run_dir} is already finished (step "
+              f"{progress.step} of training.steps={parts.training.steps}); nothing trained, "
+              f"{note}; raise --training.steps to train further", file=sys.stderr)
+    return {**stored, "steps": progress.step, "tokens": progress.tokens,
+            "run_dir": str(parts.run_dir), "already_finished": True}
+
+
 def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dict[str, Any]:
     """Run the training job ``job`` and return its summary dict.
 
@@ -265,8 +280,10 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
     Resumes from the newest checkpoint that verifies when ``checkpoint.resume`` is on (damaged
     ones are set aside; a changed model or data order is refused). On SIGTERM/SIGINT it saves a
     checkpoint and returns early with ``summary["preempted"]`` set to the signal's name (no
-    ``summary.json``: the run is not finished). ``callbacks`` are added after the default ones
-    (logging, checkpoints, sample, plot).
+    ``summary.json``: the run is not finished). A run resumed at its last step is already
+    finished: nothing is trained or rewritten and the stored summary is returned with
+    ``already_finished`` set (`finished_run_summary`). ``callbacks`` are added after the
+    default ones (logging, checkpoints, sample, plot).
     """
     import torch.distributed as dist
 
@@ -291,6 +308,10 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
         if job.checkpoint.resume and job.checkpoint.enabled:
             resumed_from = resume(
                 parts, progress, allow_config_change=job.checkpoint.allow_config_change)
+        if resumed_from and progress.step >= job.training.steps:
+            summary = finished_run_summary(parts, progress)
+            succeeded = True
+            return summary
         # [checkpoint call site] SIGTERM/SIGINT -> save and stop, within the grace time.
         with PreemptionHandler(grace_s=job.checkpoint.preemption_grace_s,
                                timeout_s=job.parallel.collective_timeout_s) as preemption:

@@ -118,7 +118,7 @@ def test_cli_train_runs_with_overrides(make_job, tiny_overrides, capsys, tmp_pat
     summary = json.loads(capsys.readouterr().out)
     assert summary["steps"] == 3 and summary["tokens"] == 3 * 8 * 32
     # a pinned peak replaces the probe: MFU = achieved model FLOP/s over 2.5 TFLOP/s
-    assert summary["peak_flops_source"] == "logging.peak_tflops"
+    assert summary["peak_flops_source"] == "pinned by logging.peak_tflops"
     assert summary["peak_flops_per_device"] == 2.5e12
     assert summary["mfu"] == pytest.approx(
         summary["tokens_per_s"] * summary["flops_per_token"] / 2.5e12)

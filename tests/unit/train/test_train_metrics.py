@@ -1,4 +1,5 @@
-"""MFU against PaLM's published figure, the accelerator table, the CPU probe, the JSONL writer."""
+"""MFU against PaLM's published figure, the accelerator table, the CPU probe and its source, the
+MFU warning, the JSONL writer."""
 
 from __future__ import annotations
 
@@ -14,6 +15,12 @@ from densetrain.train import (
     measure_cpu_peak_flops,
     mfu,
     read_metrics,
+)
+from densetrain.train.metrics import (
+    CPU_PROBE_RUNS,
+    PINNED_PEAK_SOURCE,
+    mfu_warning,
+    run_peak_flops,
 )
 
 
@@ -34,19 +41,29 @@ def test_accelerator_table_matches_datasheets() -> None:
     assert accelerator_peak_flops("Some Future Chip", "bf16") is None
 
 
-def test_cpu_probe_is_a_plausible_matmul_rate() -> None:
-    peak = measure_cpu_peak_flops("fp32", size=256, seconds=0.05)
+def test_cpu_probe_is_a_plausible_matmul_rate_and_says_how_it_was_found() -> None:
+    peak = measure_cpu_peak_flops("fp32", size=256, runs=3, seconds_per_run=0.02)
     assert 1e8 < peak < 1e14
-    assert device_peak_flops(torch.device("cpu"), "fp32")[1].startswith("cpu matmul probe")
+    source = device_peak_flops(torch.device("cpu"), "fp32")[1]
+    assert source.startswith(f"probed best of {CPU_PROBE_RUNS} fp32 matmul runs"), source
+    assert run_peak_flops(torch.device("cpu"), "fp32", 2.5) == (2.5e12, PINNED_PEAK_SOURCE)
     assert math.isnan(mfu(100.0, 1e6, math.nan, 1))
 
 
+def test_mfu_above_100_percent_is_warned_naming_the_fix() -> None:
+    assert mfu_warning(0.999, 1e11, "x") is None
+    assert mfu_warning(math.nan, 1e11, "x") is None
+    warning = mfu_warning(1.74, 0.21e12, "probed best of 5 fp32 matmul runs, 2 threads")
+    assert "174%" in warning and "0.21 TFLOP/s" in warning and "probed best of 5" in warning
+    assert "--logging.peak_tflops" in warning
+
+
 def test_metrics_writer_drops_steps_after_the_resumed_checkpoint(tmp_path) -> None:
-    writer = MetricsWriter(tmp_path, tensorboard=False)
+    writer = MetricsWriter(tmp_path)
     for step in range(1, 6):
         writer.write({"step": step, "loss": 1.0 / step})
     writer.close()
-    writer = MetricsWriter(tmp_path, tensorboard=False, resume_step=3)
+    writer = MetricsWriter(tmp_path, resume_step=3)
     writer.write({"step": 4, "loss": 0.3})
     writer.close()
     assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [
