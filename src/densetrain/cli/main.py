@@ -98,6 +98,7 @@ def report_error(error: BaseException, command: str, *, debug: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``densetrain`` console script."""
+    whole_process = argv is None  # the console script, not a call from Python
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = DEBUG_FLAG in argv
     argv = [a for a in argv if a != DEBUG_FLAG]
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "accepts_extra", False):
         args.extra = extra
     args.debug = debug
+    args.whole_process = whole_process
+    args.argv = argv + ([DEBUG_FLAG] if debug else [])
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -6,8 +6,10 @@ dotted paths, e.g. ``--training.steps=50 --model.num_layers=4 --logging.run_dir=
 ``--training.steps 50`` (a space instead of ``=``) is the same. CONFIG, when given, comes first.
 
 Speed on CPU: the allocator matters (large per-step tensors are otherwise mmap'ed and faulted in
-again each step). Preload tcmalloc (``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4``) or
-set ``GLIBC_TUNABLES=glibc.malloc.mmap_max=0``; set the thread count with ``OMP_NUM_THREADS``.
+again each step). The command restarts itself once with glibc's malloc tunables set so that they
+stay in the heap (``--training.host_allocator=system`` keeps the defaults; a ``GLIBC_TUNABLES``
+or an ``LD_PRELOAD``ed allocator of your own is left alone); set the thread count with
+``OMP_NUM_THREADS``.
 """
 
 from __future__ import annotations
@@ -69,6 +71,10 @@ def run_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(job_config_to_toml(job))
         return 0
+    if getattr(args, "whole_process", False) and not os.environ.get("LD_PRELOAD"):
+        from densetrain.train.host_malloc import restart_with_tuned_allocator
+
+        restart_with_tuned_allocator(job.training.host_allocator, job.training.device, args.argv)
     check_job_inputs(job)
     from densetrain.checkpoint import CheckpointError
     from densetrain.train import NonFiniteLossError, train

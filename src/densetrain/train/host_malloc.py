@@ -10,6 +10,13 @@ that is read only at process start, so only a wrapper such as ``make train`` cou
 running ``densetrain train`` directly or under ``torchrun`` would not get it. ``mallopt`` sets the
 same two parameters from inside the running process, before the run allocates its tensors.
 
+Set at run time, though, they do not always hold: where the heap cannot grow in place (the
+address space above it already mapped), glibc serves a large block by ``mmap`` anyway and the
+page faults come back (seen in 1 of 6 fresh processes on the test machine). So the
+``densetrain train`` command, before it imports torch, starts itself again with
+``GLIBC_TUNABLES`` set (`restart_with_tuned_allocator`); ``mallopt`` is the fallback for a run
+started from Python (``densetrain.train.train``), where the process is not the command's own.
+
 There is no library for this (it is two libc calls through ``ctypes``). The cost is memory that
 is not returned to the system between steps (about the size of one step's largest tensors).
 """
@@ -23,7 +30,11 @@ import sys
 
 from densetrain.config.sections import HOST_ALLOCATORS
 
-__all__ = ["HOST_ALLOCATORS", "tune_host_allocator"]
+__all__ = ["HOST_ALLOCATORS", "TUNED_GLIBC_TUNABLES", "restart_with_tuned_allocator",
+           "tune_host_allocator"]
+
+TUNED_GLIBC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296"
+_SET_BY_DENSETRAIN = "DENSETRAIN_TUNED_MALLOC"
 
 # mallopt parameter numbers from glibc's <malloc.h>.
 _M_TRIM_THRESHOLD = -1
@@ -45,6 +56,23 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
+def restart_with_tuned_allocator(choice: str, device: str, argv: list[str]) -> None:
+    """Replace this process by ``python -m densetrain *argv`` with the tuned ``GLIBC_TUNABLES``
+    (same pid, so torchrun and schedulers see no change), when ``choice`` is ``tuned``, the run
+    may be on the CPU (``device`` ``cpu`` or ``auto``), the C library is glibc and the
+    environment does not set the malloc tunables already. Returns when nothing is to be done."""
+    if choice != "tuned" or device not in ("cpu", "auto") or os.environ.get(_SET_BY_DENSETRAIN):
+        return
+    existing = os.environ.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.mmap_max" in existing or _glibc() is None:
+        return
+    env = dict(os.environ, **{_SET_BY_DENSETRAIN: "1"})
+    env["GLIBC_TUNABLES"] = ":".join(t for t in (existing, TUNED_GLIBC_TUNABLES) if t)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "densetrain", *argv], env)
+
+
 def tune_host_allocator(choice: str, device_type: str) -> str:
     """Apply ``choice`` to this process's malloc and return a line saying what was done.
 
@@ -60,6 +88,9 @@ def tune_host_allocator(choice: str, device_type: str) -> str:
     if device_type != "cpu":
         return f"host allocator: system defaults (tensors live on {device_type})"
     if "glibc.malloc.mmap_max" in os.environ.get("GLIBC_TUNABLES", ""):
+        if os.environ.get(_SET_BY_DENSETRAIN):
+            return ("host allocator: large blocks kept in the heap (GLIBC_TUNABLES set by "
+                    "densetrain train at start)")
         return "host allocator: as set by GLIBC_TUNABLES"
     libc = _glibc()
     if libc is None:
@@ -68,4 +99,4 @@ def tune_host_allocator(choice: str, device_type: str) -> str:
     ok = libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES) == 1 and ok
     if not ok:
         return "host allocator: system defaults (mallopt refused the settings)"
-    return "host allocator: large blocks kept in the heap (glibc mallopt mmap_max=0)"
+    return "host allocator: large blocks kept in the heap where it can grow (glibc mallopt)"

@@ -7,7 +7,7 @@ from torch import nn
 
 from densetrain.models.config import ModelConfig
 from densetrain.models.transformer import Transformer
-from densetrain.optim import classify_parameters, param_groups
+from densetrain.optim.param_groups import classify_parameters, param_groups
 
 TINY = dict(vocab_size=64, dim=32, num_layers=2, num_heads=4, ffn_dim=64, max_seq_len=16)
 

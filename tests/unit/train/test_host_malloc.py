@@ -1,9 +1,8 @@
 """The trainer's own host-allocator setting: large per-step tensors stop page-faulting in anew.
 
-Measured in a fresh interpreter (the setting is process-wide and cannot be undone), through the
-kernel's count of minor page faults while the same 64 MiB tensor is allocated, filled and freed
-ten times: glibc's default maps and unmaps it each time (about 16k faults each round), the tuned
-heap reuses the same pages.
+Measured in fresh interpreters, through the kernel's count of minor page faults while the same
+64 MiB tensor is allocated, filled and freed ten times: glibc's default maps and unmaps it each
+time (about 16k faults each round), the tuned heap reuses the same pages.
 """
 
 from __future__ import annotations
@@ -16,10 +15,11 @@ import sys
 import pytest
 
 from densetrain.config import JobConfig
-from densetrain.train.host_malloc import tune_host_allocator
+from densetrain.testing import tiny_job_overrides
+from densetrain.train.host_malloc import TUNED_GLIBC_TUNABLES, tune_host_allocator
 
 _PROBE = """
-import json, resource, sys
+import json, os, resource, sys
 import torch
 from densetrain.train.host_malloc import tune_host_allocator
 note = tune_host_allocator(sys.argv[1], "cpu")
@@ -30,29 +30,53 @@ for _ in range(10):
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 print(json.dumps({"note": note, "faults": faults}))
 """
+_PAGES_PER_ROUND = 64 * 2**20 // os.sysconf("SC_PAGE_SIZE")
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
 
 
-def _faults(choice: str) -> dict:
+def _faults(choice: str, tunables: str | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    if tunables:
+        env["GLIBC_TUNABLES"] = tunables
     out = subprocess.run([sys.executable, "-c", _PROBE, choice], env=env, capture_output=True,
                          text=True, check=True, timeout=120)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
-def test_tuned_allocator_stops_the_per_step_page_faults():
-    system, tuned = _faults("system"), _faults("tuned")
-    pages_per_round = 64 * 2**20 // os.sysconf("SC_PAGE_SIZE")
-    assert system["faults"] > 5 * pages_per_round, system  # mapped afresh nearly every round
-    assert tuned["faults"] < 2 * pages_per_round, tuned  # reused: about one round in ten
-    assert "mmap_max=0" in tuned["note"]
+@linux_only
+def test_the_tunables_the_command_sets_stop_the_per_step_page_faults():
+    system = _faults("system")
+    assert system["faults"] > 5 * _PAGES_PER_ROUND, system  # mapped afresh nearly every round
+    for _ in range(3):  # the address-space layout differs per process: every one must hold
+        tuned = _faults("tuned", TUNED_GLIBC_TUNABLES)
+        assert tuned["faults"] < 2 * _PAGES_PER_ROUND, tuned  # reused
+        assert "GLIBC_TUNABLES" in tuned["note"]
+
+
+@linux_only
+def test_the_train_command_restarts_itself_with_the_tunables(tmp_path):
+    """`densetrain train` (the console script, as under torchrun) runs with the tunables set
+    although its environment had none; ``host_allocator=system`` keeps the defaults."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
+    for choice, expected in (("tuned", "set by densetrain train at start"),
+                             ("system", "system defaults")):
+        overrides = tiny_job_overrides(
+            cache_dir=str(tmp_path / "cache"), run_dir=str(tmp_path / choice),
+            extra=("--training.steps=1", "--schedule.warmup_steps=0", "--checkpoint.enabled=false",
+                   "--eval.interval=0",
+                   "--eval.sample_tokens=0", f"--training.host_allocator={choice}"))
+        out = subprocess.run([sys.executable, "-m", "densetrain", "train", *overrides],
+                             env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert f"host allocator: {expected}" in out.stderr, out.stderr[-2000:]
 
 
 def test_allocator_is_left_alone_where_it_does_not_apply(monkeypatch):
     assert "cuda" in tune_host_allocator("tuned", "cuda")
     assert "system" in tune_host_allocator("system", "cpu")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_max=0")
-    assert "GLIBC_TUNABLES" in tune_host_allocator("tuned", "cpu")
+    monkeypatch.delenv("DENSETRAIN_TUNED_MALLOC", raising=False)
+    assert tune_host_allocator("tuned", "cpu") == "host allocator: as set by GLIBC_TUNABLES"
 
 
 def test_unknown_allocator_is_refused_naming_the_field():
