@@ -14,6 +14,8 @@ from pathlib import Path
 import faultkit
 import pytest
 
+from densetrain.train.goodput import ledger_totals, read_ledger
+
 LONG = ["--training.steps=20", "--checkpoint.keep_last=2", "--logging.peak_tflops=1"]
 
 
@@ -54,6 +56,14 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes_exactly(
     assert resumed.returncode == 0, err
     assert f"resumed from {run_dir / 'checkpoints'}/step-{stopped:08d}" in err
     assert faultkit.curve(run_dir) == long_reference
+    # The checkpoints were written in the background (checkpoint.async_save, the default), and
+    # the goodput ledger of the two processes accounts every second of the wall time: the
+    # saves (callbacks), the time down between the processes, each step trained exactly once.
+    totals, wall = ledger_totals(read_ledger(run_dir))
+    assert sum(totals.values()) == pytest.approx(wall, rel=1e-9)
+    assert totals["down"] > 0 and totals["callbacks"] > 0 and totals["recomputed"] == 0
+    productive = [e["step"] for e in read_ledger(run_dir) if "productive" in e["buckets"]]
+    assert sorted(productive) == list(range(1, 21))
 
 
 @pytest.mark.slow
