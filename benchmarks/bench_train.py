@@ -263,7 +263,8 @@ def main() -> None:
     from densetrain.train.metrics import measure_cpu_peak_flops
 
     def probe() -> dict[str, float]:
-        found = {d: measure_cpu_peak_flops(d, seconds=1.0) for d in ("fp32", "bf16")}
+        found = {d: measure_cpu_peak_flops(d, runs=10, seconds_per_run=0.2)
+                 for d in ("fp32", "bf16")}
         print(f"peak (matmul probe, {torch.get_num_threads()} threads): fp32 "
               f"{found['fp32'] / 1e12:.3f}, bf16 {found['bf16'] / 1e12:.3f} TFLOP/s", flush=True)
         return found
