@@ -27,21 +27,27 @@ _PROBE = ("import runpy, sys; sys.argv = ['densetrain'] + sys.argv[1:]\n"
           "print('torch imported:', 'torch' in sys.modules, file=sys.stderr)\n")
 
 
-def time_request(model: str, devices: int, seq: int, batch: int, runs: int) -> dict:
-    """Wall seconds of ``runs`` fresh ``densetrain plan`` processes (after one warm-up)."""
-    args = ["plan", "--model", model, "--devices", str(devices), "--seq-len", str(seq),
-            "--global-batch", str(batch), "--cluster", "h100", "--top", "3"]
+def time_cli(args: list[str], runs: int, *, check: bool = True) -> dict:
+    """Wall seconds (median, min, max) of ``runs`` fresh ``densetrain ARGS`` processes after
+    one warm-up, whether torch was imported, and the last run's stdout."""
     walls, out = [], None
     for i in range(runs + 1):
         start = time.perf_counter()
         out = subprocess.run([sys.executable, "-c", _PROBE, *args], capture_output=True,
-                             text=True, check=True)
+                             text=True, check=check)
         if i:
             walls.append(time.perf_counter() - start)
-    search = re.search(r"searched in ([0-9.]+) s", out.stdout)
     return {"median": statistics.median(walls), "min": min(walls), "max": max(walls),
-            "search_s": float(search.group(1)) if search else float("nan"),
-            "torch": "torch imported: True" in out.stderr}
+            "torch": "torch imported: True" in out.stderr, "stdout": out.stdout}
+
+
+def time_request(model: str, devices: int, seq: int, batch: int, runs: int) -> dict:
+    """Wall seconds of ``runs`` fresh ``densetrain plan`` processes (after one warm-up)."""
+    args = ["plan", "--model", model, "--devices", str(devices), "--seq-len", str(seq),
+            "--global-batch", str(batch), "--cluster", "h100", "--top", "3"]
+    got = time_cli(args, runs)
+    search = re.search(r"searched in ([0-9.]+) s", got["stdout"])
+    return {**got, "search_s": float(search.group(1)) if search else float("nan")}
 
 
 def main() -> int:

@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_plan_cli import time_cli  # the same fresh-process timing (benchmarks/ is on the path)
+
 COMMANDS = {
     "densetrain --help": ["--help"],
     "densetrain model-info llama3-8b": ["model-info", "llama3-8b"],
@@ -30,25 +32,6 @@ COMMANDS = {
         "plan", "--model", "llama3-70b", "--devices", "1024", "--seq-len", "8192",
         "--global-batch", "1024", "--cluster", "h100", "--top", "3"],
 }
-_PROBE = ("import runpy, sys; sys.argv = ['densetrain'] + sys.argv[1:]\n"
-          "try:\n    runpy.run_module('densetrain', run_name='__main__')\n"
-          "except SystemExit:\n    pass\n"
-          "print('torch imported:', 'torch' in sys.modules, file=sys.stderr)\n")
-
-
-def time_command(args: list[str], runs: int) -> dict:
-    """Median, min and max wall seconds of ``runs`` fresh processes (after one warm-up)."""
-    walls, out = [], None
-    for i in range(runs + 1):
-        start = time.perf_counter()
-        out = subprocess.run([sys.executable, "-c", _PROBE, *args], capture_output=True,
-                             text=True, check=False)
-        if i:
-            walls.append(time.perf_counter() - start)
-    return {"median": statistics.median(walls), "min": min(walls), "max": max(walls),
-            "torch": "torch imported: True" in out.stderr}
-
-
 def time_first_step(runs: int) -> list[dict]:
     """Wall seconds of a one-step default run, and its first step, ``runs`` times (after one
     warm-up run that also prepares the default corpus if the cache lacks it)."""
@@ -78,7 +61,7 @@ def main() -> int:
     print("| command | wall s, median (min-max) | torch imported |")
     print("|---|---:|---|")
     for name, cmd in COMMANDS.items():
-        got = time_command(cmd, args.runs)
+        got = time_cli(cmd, args.runs, check=False)
         print(f"| `{name}` | {got['median']:.2f} ({got['min']:.2f}-{got['max']:.2f}) | "
               f"{got['torch']} |", flush=True)
     if args.skip_train:

@@ -125,10 +125,9 @@ def _densetrain_step(spec: dict, dtype: str, compile_: bool):
     return cfg, step
 
 
-def _hf_step(spec: dict, dtype: str):
-    model = hf_model(spec)
-    model.train()
-    opt = _adamw(model)
+def _eager_step(model: torch.nn.Module, opt: torch.optim.Optimizer, dtype: str, loss_of):
+    """A reference side's step: ``loss_of(batch)`` under bf16 autocast or none, backward,
+    clipping at 1.0, the optimizer step."""
     autocast = (
         (lambda: torch.autocast("cpu", dtype=torch.bfloat16))
         if dtype == "bf16" else contextlib.nullcontext
@@ -136,7 +135,7 @@ def _hf_step(spec: dict, dtype: str):
 
     def step(batch) -> float:
         with autocast():
-            loss = model(input_ids=batch.inputs, labels=batch.inputs).loss
+            loss = loss_of(batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -144,6 +143,13 @@ def _hf_step(spec: dict, dtype: str):
         return float(loss.detach())
 
     return step
+
+
+def _hf_step(spec: dict, dtype: str):
+    model = hf_model(spec)
+    model.train()
+    return _eager_step(model, _adamw(model), dtype,
+                       lambda batch: model(input_ids=batch.inputs, labels=batch.inputs).loss)
 
 
 def _plain_step(spec: dict, dtype: str, compile_: bool):
@@ -153,23 +159,9 @@ def _plain_step(spec: dict, dtype: str, compile_: bool):
         raise SystemExit(f"the plain GPT has the GPT-2 architecture only, not {spec['family']}")
     model = PlainGPT(vocab=spec["vocab"], seq=spec["seq"], dim=spec["dim"],
                      layers=spec["num_layers"], heads=spec["num_heads"])
-    opt = plain_adamw(model)
     forward = torch.compile(model) if compile_ else model
-    autocast = (
-        (lambda: torch.autocast("cpu", dtype=torch.bfloat16))
-        if dtype == "bf16" else contextlib.nullcontext
-    )
-
-    def step(batch) -> float:
-        with autocast():
-            loss = forward(batch.inputs, batch.targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    return step
+    return _eager_step(model, plain_adamw(model), dtype,
+                       lambda batch: forward(batch.inputs, batch.targets))
 
 
 def _stepper(variant: str, spec: dict):

@@ -363,6 +363,18 @@ def _check_not_empty(inputs: list[str], read: ReadStats, meta: dict) -> None:
         )
 
 
+def claim_output_dir(out: Path, overwrite: bool) -> None:
+    """Refuse a complete prepared dataset at ``out`` unless ``overwrite``, which removes it
+    (single-process and multi-worker prepares alike)."""
+    if (out / META_FILE).exists() and not overwrite:
+        raise FileExistsError(
+            f"{out} is already a prepared dataset; choose another --output or replace it with "
+            "--overwrite (overwrite=True in Python)"
+        )
+    if overwrite and out.exists():
+        shutil.rmtree(out)
+
+
 def prepare_dataset(
     inputs: list[str],
     output_dir: str | os.PathLike,
@@ -382,13 +394,7 @@ def prepare_dataset(
     cfg.validate()
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     out = Path(output_dir)
-    if (out / META_FILE).exists() and not overwrite:
-        raise FileExistsError(
-            f"{out} is already a prepared dataset; choose another --output or replace it with "
-            "--overwrite (overwrite=True in Python)"
-        )
-    if overwrite and out.exists():
-        shutil.rmtree(out)
+    claim_output_dir(out, overwrite)
     files = expand_inputs(list(inputs))
     if (out / ".scaleout").is_dir():  # scaleout_tasks.WORK_DIR
         raise FileExistsError(

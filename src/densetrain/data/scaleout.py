@@ -25,6 +25,7 @@ from densetrain.data.prepare import (
     _check_not_empty,
     _copy_tokenizer,
     _Preparer,
+    claim_output_dir,
 )
 from densetrain.data.scaleout_tasks import WORK_DIR, run_decide, run_scan, run_write, scan_path
 from densetrain.data.shards import META_FILE, atomic_write_json, dtype_for_vocab
@@ -58,13 +59,7 @@ def start_work(inputs: list[str], out: Path, tok: Tokenizer, cfg: PrepareConfig,
                overwrite: bool) -> list[list[Path]]:
     """Check the output directory, write or check the manifest; the files of each worker."""
     cfg.validate()
-    if (out / META_FILE).exists() and not overwrite:
-        raise FileExistsError(
-            f"{out} is already a prepared dataset; choose another --output or replace it with "
-            "--overwrite (overwrite=True in Python)"
-        )
-    if overwrite and out.exists():
-        shutil.rmtree(out)
+    claim_output_dir(out, overwrite)
     files = expand_inputs(list(inputs))
     work = out / WORK_DIR
     if (out / PROGRESS_FILE).exists() and not work.is_dir():
