@@ -39,10 +39,15 @@ def ring_factor(n, kind: str):
     return 2 * share if kind == "all_reduce" else share
 
 
-def link(cluster: ClusterSpec, span):
-    """(bandwidth, latency) per row for a group spanning ``span`` consecutive devices."""
+def link(cluster: ClusterSpec, span, payload_bytes):
+    """(bandwidth, latency) per row for a group spanning ``span`` consecutive devices that moves
+    ``payload_bytes`` per collective: the link's bandwidth x ``collective_efficiency`` x
+    S / (S + ``collective_half_bytes``) (``hardware.ClusterSpec``)."""
     inside = np.asarray(span) <= cluster.devices_per_node
     bandwidth = np.where(inside, cluster.intra_node_bytes_per_s, cluster.inter_node_bytes_per_s)
+    payload = np.maximum(np.asarray(payload_bytes, dtype=np.float64), 1.0)
+    bandwidth = bandwidth * cluster.collective_efficiency * payload / (
+        payload + cluster.collective_half_bytes)
     latency = np.where(inside, cluster.intra_node_latency_s, cluster.inter_node_latency_s)
     return bandwidth, latency
 
@@ -61,7 +66,7 @@ def comm_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, settings: 
 
     per_layer = np.where(cols.activation_checkpointing == _FULL, 6.0, 4.0)
     n_tp = (layers * per_layer + 2.0) * m * (tp > 1)
-    bw, lat = link(cluster, tp)
+    bw, lat = link(cluster, tp, act)
     out["tp_bytes"] = n_tp * ring_factor(tp, "all_reduce") * act
     out["tp_s"] = out["tp_bytes"] / bw + n_tp * lat * 2 * np.ceil(np.log2(np.maximum(tp, 2)))
 
@@ -69,29 +74,33 @@ def comm_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, settings: 
     kv_chunk = 2 * cols.micro_batch_size * (seq_len / cp) * kv_local * e
     passes = np.where(cols.activation_checkpointing == _FULL, 4.0, 3.0)
     out["cp_bytes"] = layers * m * passes * (cp - 1) * kv_chunk
-    bw, lat = link(cluster, tp * cp)
+    bw, lat = link(cluster, tp * cp, kv_chunk)
     out["cp_s"] = out["cp_bytes"] / bw + layers * m * passes * (cp - 1) * lat
 
     boundaries = (cols.pp > 1) * 2.0 * m * cols.pp_virtual_stages
     out["pp_bytes"] = boundaries * act / tp
-    bw, lat = link(cluster, tp * cp * shard * rep * np.minimum(cols.pp, 2))
+    bw, lat = link(cluster, tp * cp * shard * rep * np.minimum(cols.pp, 2), act / tp)
     out["pp_s"] = out["pp_bytes"] / bw + boundaries * lat
 
-    out.update(_dp_comm(cols, mem, cluster, g_bytes, gather_bytes, tp * cp))
+    out.update(_dp_comm(cols, mem, cluster, g_bytes, gather_bytes, tp * cp, layers))
     return out
 
 
 def _dp_comm(cols: LayoutColumns, mem: dict[str, np.ndarray], cluster: ClusterSpec,
-             g_bytes: int, gather_bytes: int, inner) -> dict[str, np.ndarray]:
-    """Per-collective DP/FSDP times (for the overlap model) and the step's DP bytes."""
+             g_bytes: int, gather_bytes: int, inner, layers) -> dict[str, np.ndarray]:
+    """Per-collective DP/FSDP times (for the overlap model) and the step's DP bytes.
+
+    Each collective moves one layer's share (FSDP units are layers; DDP's gradient buckets are
+    of that order), which sets its payload and so its bandwidth (``link``)."""
     psi = mem["stage_params"]
     m = mem["microbatches"]
     stage = cols.zero_stage
     shard, rep = cols.dp_shard.astype(np.float64), cols.dp_replicate.astype(np.float64)
     dp = shard * rep
-    bw_shard, lat_shard = link(cluster, inner * shard)
-    bw_rep, lat_rep = link(cluster, inner * shard * rep)
-    bw_all, lat_all = link(cluster, inner * dp)
+    unit = psi / np.maximum(layers, 1.0)
+    bw_shard, lat_shard = link(cluster, inner * shard, unit * gather_bytes)
+    bw_rep, lat_rep = link(cluster, inner * shard * rep, unit / shard * g_bytes)
+    bw_all, lat_all = link(cluster, inner * dp, unit * g_bytes)
     lat_steps = lambda n: 2 * np.ceil(np.log2(np.maximum(n, 2)))  # noqa: E731
     # stage 0: one all-reduce of all gradients over dp.
     ar_bytes = ring_factor(dp, "all_reduce") * psi * g_bytes * (stage == 0)

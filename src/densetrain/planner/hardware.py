@@ -18,6 +18,8 @@ Custom entries are read from a TOML or JSON file with one table per cluster::
     gemm_efficiency = 0.8      # share of peak of a large GEMM
     gemm_half_dim = 128        # smallest GEMM side at which efficiency halves
     attention_efficiency = 0.4 # share of peak of fused attention (forward + backward)
+    collective_efficiency = 0.8   # optional: large-payload bus bandwidth / link bandwidth
+    collective_half_mb = 12       # optional: payload at which a collective reaches half of that
 
 ``densetrain plan --calibrate`` measures these on the machine it runs on and writes such a file.
 """
@@ -63,6 +65,13 @@ class ClusterSpec:
     """Share of peak the fused attention kernel reaches (forward + backward)."""
     intra_node_latency_s: float = 5e-6
     inter_node_latency_s: float = 15e-6
+    collective_efficiency: float = 1.0
+    """Bus bandwidth a ring collective reaches with a large payload, as a share of the link
+    bandwidth (what nccl-tests reports against the data sheet)."""
+    collective_half_bytes: float = 0.0
+    """Payload at which a collective reaches half of its large-payload bandwidth: the bandwidth
+    of a payload S is ``link x collective_efficiency x S / (S + collective_half_bytes)``
+    (0: every payload runs at the large-payload rate)."""
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -84,6 +93,14 @@ class ClusterSpec:
                 f"cluster {self.name!r}: devices_per_node must be a positive integer, "
                 f"got {self.devices_per_node!r}"
             )
+        if not isinstance(self.collective_efficiency, (int, float)) or not (
+                0 < self.collective_efficiency <= 1):
+            raise ValueError(f"cluster {self.name!r}: collective_efficiency must be in (0, 1], "
+                             f"got {self.collective_efficiency!r}")
+        if not isinstance(self.collective_half_bytes, (int, float)) or (
+                self.collective_half_bytes < 0):
+            raise ValueError(f"cluster {self.name!r}: collective_half_bytes must be >= 0, "
+                             f"got {self.collective_half_bytes!r}")
         for name in ("gemm_efficiency", "attention_efficiency"):
             if getattr(self, name) > 1:
                 raise ValueError(f"cluster {self.name!r}: {name} must be <= 1 (a share of peak)")
@@ -93,10 +110,12 @@ class ClusterSpec:
 
 
 def _gpu(name: str, tflops: float, mem_gb: float, hbm_tb_s: float, nvlink: float, net: float,
-         description: str, *, gemm: float, attention: float) -> ClusterSpec:
+         description: str, *, gemm: float, attention: float, collective: float) -> ClusterSpec:
     return ClusterSpec(
         gemm_efficiency=gemm,
         attention_efficiency=attention,
+        collective_efficiency=collective,
+        collective_half_bytes=NCCL_HALF_BYTES,
         name=name,
         peak_flops=tflops * 1e12,
         memory_bytes=mem_gb * GB,
@@ -118,17 +137,25 @@ def _gpu(name: str, tflops: float, mem_gb: float, hbm_tb_s: float, nvlink: float
 # 50-73% of peak forward and up to 63% backward on A100 (Dao 2023, sec. 4.1); on H100 it reaches
 # 35% (Shah et al. 2024, FlashAttention-3, sec. 1). Forward + backward: 0.6 on A100, 0.35 on
 # H100/H200.
+# Collectives: the bus bandwidth of NCCL's all-reduce grows with the payload. On an 8x H200 node
+# nccl-tests reads 72 GB/s at 1 MiB, 182 at 8 MiB, 298 at 32 MiB, 411 at 128 MiB and 464-481 from
+# 1 GiB (S. Bekman, "Machine Learning Engineering", network/benchmarks, the nccl-tests column);
+# S / (S + 12 MiB) of the large-payload rate fits that table within 10% from 8 MiB up (the
+# range of per-layer activations and gradient buckets) and is taken for every GPU entry. The
+# large-payload rate is the data sheet's on H100/H200 (NVLink SHARP reaches it) and 235 of 300
+# GB/s on A100 (the same book, network chapter: nccl-tests all-reduce on an A100 node).
+NCCL_HALF_BYTES = 12 * 2**20
 BUILTIN_CLUSTERS: dict[str, ClusterSpec] = {
     c.name: c
     for c in (
         _gpu("a100-40gb", 312, 40, 1.555, 300, 25, "NVIDIA A100 SXM 40GB, 8 per node, HDR IB",
-             gemm=0.869, attention=0.6),
+             gemm=0.869, attention=0.6, collective=235 / 300),
         _gpu("a100-80gb", 312, 80, 2.039, 300, 25, "NVIDIA A100 SXM 80GB, 8 per node, HDR IB",
-             gemm=0.869, attention=0.6),
+             gemm=0.869, attention=0.6, collective=235 / 300),
         _gpu("h100-80gb", 989, 80, 3.35, 450, 50, "NVIDIA H100 SXM 80GB, 8 per node, NDR IB",
-             gemm=0.801, attention=0.35),
+             gemm=0.801, attention=0.35, collective=1.0),
         _gpu("h200-141gb", 989, 141, 4.8, 450, 50, "NVIDIA H200 SXM 141GB, 8 per node, NDR IB",
-             gemm=0.836, attention=0.35),
+             gemm=0.836, attention=0.35, collective=1.0),
         # TPU v4 (Cloud TPU data sheet: 275 TFLOP/s bf16, 32 GiB HBM at 1.2 TB/s, ICI 2400 Gb/s
         # per chip over 6 links; a ring along one torus axis uses 2 links = 100 GB/s). The "node"
         # is one 4096-chip pod (one ICI domain); pods talk over the data-centre network, which
@@ -163,6 +190,8 @@ _FILE_FIELDS = {
     "attention_efficiency": ("attention_efficiency", 1),
     "intra_node_latency_us": ("intra_node_latency_s", 1e-6),
     "inter_node_latency_us": ("inter_node_latency_s", 1e-6),
+    "collective_efficiency": ("collective_efficiency", 1),
+    "collective_half_mb": ("collective_half_bytes", 2**20),
     "description": ("description", None),
 }
 _REQUIRED = ("peak_tflops", "memory_gb", "hbm_tb_s", "devices_per_node", "intra_node_gb_s",

@@ -134,6 +134,11 @@ class PlanSettings:
     tp_overlap: float = 0.0
     """Share of tensor-parallel communication hidden behind compute (0: none, as in eager
     PyTorch; async-TP / Megatron's comm overlap hide part of it)."""
+    dp_overlap: bool = True
+    """Data-parallel traffic overlaps compute (torch DDP's and FSDP's bucketed reductions and
+    prefetched all-gathers). False: it runs after the backward, as in Megatron-LM's 2021-22
+    "local" DDP, which all-reduced its contiguous gradient buffer once the pipeline had
+    flushed (Narayanan et al. 2021; Korthikanti et al. 2022)."""
     flash_attention: bool = True
     """Attention that never stores the s x s scores (FlashAttention / SDPA)."""
     attention_dropout: bool = False

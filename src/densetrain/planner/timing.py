@@ -7,7 +7,8 @@
 - Context-parallel ring traffic overlaps the attention it feeds; only the excess shows.
 - Data-parallel traffic overlaps compute where the schedule allows: gradient reductions that run
   once a step hide behind the last microbatch's backward (2/3 of it), per-microbatch
-  reduce-scatters behind each backward, parameter all-gathers behind a forward (1/3).
+  reduce-scatters behind each backward, parameter all-gathers behind a forward (1/3); with
+  ``PlanSettings.dp_overlap=False`` none of it is hidden.
 - Pipeline bubble, per schedule, as a share of the per-device busy time: GPipe and 1F1B
   (p - 1) / m (the same idle slots; 1F1B only holds fewer activations, Narayanan et al. 2021
   sec. 2.2.1); interleaved 1F1B (p - 1) / (v m) (sec. 2.2.2); the interleaved zero-bubble
@@ -42,7 +43,8 @@ def time_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layout
     m = mem["microbatches"]
     per_mb = compute / m
     cp_exposed = np.maximum(0.0, comm["cp_s"] - parts["attention_s"])
-    dp_exposed = _dp_exposed(cols.zero_stage, m, per_mb, comm)
+    dp_exposed = _dp_exposed(cols.zero_stage, m, per_mb if settings.dp_overlap else 0.0 * per_mb,
+                             comm)
     tp_exposed = comm["tp_s"] * (1.0 - settings.tp_overlap)
     bubble = bubble_share(cols.pp_schedule, cols.pp, cols.pp_virtual_stages, m) * (
         compute + tp_exposed + cp_exposed)

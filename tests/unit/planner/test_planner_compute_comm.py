@@ -86,13 +86,28 @@ def test_groups_beyond_a_node_use_the_network():
     across = _eval(Layout(tp=16), batch=4)
     h100 = get_cluster("h100")
     collectives = 4 * (4 * 32 + 2)  # microbatches x (4 per layer + embedding + output)
-    # Bandwidth term plus a latency of 2 log2(tp) steps per collective.
+    # Each all-reduce moves one b*s*h activation (2 bytes): its bandwidth is the link's
+    # x collective_efficiency x S / (S + half), plus a latency of 2 log2(tp) steps.
+    payload = 4096 * 4096 * PlanSettings().activation_bytes
+    share = h100.collective_efficiency * payload / (payload + h100.collective_half_bytes)
+    assert 0.5 < share < 1
     assert inside["tp_s"] == pytest.approx(
-        inside["tp_bytes"] / h100.intra_node_bytes_per_s
+        inside["tp_bytes"] / (h100.intra_node_bytes_per_s * share)
         + collectives * h100.intra_node_latency_s * 2 * 3)
     assert across["tp_s"] == pytest.approx(
-        across["tp_bytes"] / h100.inter_node_bytes_per_s
+        across["tp_bytes"] / (h100.inter_node_bytes_per_s * share)
         + collectives * h100.inter_node_latency_s * 2 * 4)
+
+
+def test_a_collective_reaches_half_its_bandwidth_at_the_half_payload():
+    from densetrain.planner.comm import link
+
+    a100 = get_cluster("a100")
+    half = a100.collective_half_bytes
+    bandwidth, _ = link(a100, 8, [half, 1e12])
+    # nccl-tests on an A100 node: 235 GB/s of the 300 GB/s NVLink (hardware.py cites it).
+    assert bandwidth[1] == pytest.approx(235e9, rel=1e-3)
+    assert bandwidth[0] == pytest.approx(235e9 / 2, rel=1e-6)
 
 
 def test_bubble_and_mfu_follow_their_definitions():

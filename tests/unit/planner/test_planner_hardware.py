@@ -31,10 +31,13 @@ inter_node_gb_s = 12.5
 gemm_efficiency = 0.7
 gemm_half_dim = 96
 attention_efficiency = 0.4
+collective_efficiency = 0.9
+collective_half_mb = 8
 """)
     custom = load_cluster_file(toml)
     gpu = get_cluster("mygpu", custom)
     assert gpu.peak_flops == 500e12 and gpu.devices_per_node == 4
+    assert gpu.collective_efficiency == 0.9 and gpu.collective_half_bytes == 8 * 2**20
     assert gpu.inter_node_bytes_per_s == 12.5e9
     js = tmp_path / "c.json"
     js.write_text(json.dumps({"clusters": {"x": {"peak_tflops": 1, "memory_gb": 1,
@@ -42,7 +45,10 @@ attention_efficiency = 0.4
                                                  "intra_node_gb_s": 1, "inter_node_gb_s": 1,
                                                  "gemm_efficiency": 1, "gemm_half_dim": 1,
                                                  "attention_efficiency": 1}}}))
-    assert load_cluster_file(js)["x"].memory_bytes == 1e9
+    plain = load_cluster_file(js)["x"]
+    assert plain.memory_bytes == 1e9
+    # Without the optional collective fields every payload runs at the link's bandwidth.
+    assert plain.collective_efficiency == 1.0 and plain.collective_half_bytes == 0.0
 
 
 _EFF = "gemm_efficiency = 0.8\ngemm_half_dim = 128\nattention_efficiency = 0.4\n"
@@ -60,6 +66,12 @@ _EFF = "gemm_efficiency = 0.8\ngemm_half_dim = 128\nattention_efficiency = 0.4\n
     ("[clusters.g]\npeak_tflops = 1\nmemory_gb = 1\nhbm_tb_s = 1\ndevices_per_node = 1\n"
      "intra_node_gb_s = 1\ninter_node_gb_s = 1\ngemm_efficiency = 0\ngemm_half_dim = 1\n"
      "attention_efficiency = 0.5\n", "gemm_efficiency must be > 0"),
+    ("[clusters.g]\npeak_tflops = 1\nmemory_gb = 1\nhbm_tb_s = 1\ndevices_per_node = 1\n"
+     "intra_node_gb_s = 1\ninter_node_gb_s = 1\n" + _EFF + "collective_efficiency = 1.5\n",
+     "collective_efficiency must be in \\(0, 1\\]"),
+    ("[clusters.g]\npeak_tflops = 1\nmemory_gb = 1\nhbm_tb_s = 1\ndevices_per_node = 1\n"
+     "intra_node_gb_s = 1\ninter_node_gb_s = 1\n" + _EFF + "collective_half_mb = -1\n",
+     "collective_half_bytes must be >= 0"),
     ("x = 1\n", "expected a non-empty \\[clusters.<name>\\] table"),
 ])
 def test_bad_cluster_files_name_file_and_field(tmp_path, body, message):

@@ -11,6 +11,8 @@ stricter. The rank of the published degrees among all degree choices is printed 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from test_planner_published import (
     KORTHIKANTI_TABLE_5,
@@ -23,6 +25,11 @@ from densetrain.models.presets import get_preset
 from densetrain.planner import PlanSettings, get_cluster, search
 
 RANK_TOLERANCE = 0.8
+# The search ranks densetrain's own layouts, whose data-parallel traffic overlaps the backward
+# (torch DDP / FSDP2): Megatron-LM 2021's unoverlapped all-reduce is a property of the paper's
+# software, modelled where its own layouts are reproduced (test_planner_published.py), not of
+# the candidates searched here.
+SEARCHED = dataclasses.replace(MEGATRON, dp_overlap=True)
 
 
 def published_share(cfg, *, seq_len, global_batch, devices, cluster, settings, tp, pp, cp=1):
@@ -53,7 +60,7 @@ def test_narayanan_table_1_layouts_rank_near_the_top(row):
     _, heads, hidden, layers, tp, pp, gpus, batch, _ = row
     share, rank, winner = published_share(
         megatron_gpt(hidden, layers, heads), seq_len=2048, global_batch=batch, devices=gpus,
-        cluster="a100-80gb", settings=MEGATRON, tp=tp, pp=pp)
+        cluster="a100-80gb", settings=SEARCHED, tp=tp, pp=pp)
     assert share >= RANK_TOLERANCE, (share, rank, winner)
 
 
@@ -64,7 +71,7 @@ def test_korthikanti_table_5_layouts_rank_near_the_top(row):
     hidden, layers, heads, tp, pp, gpus, batch, _ = row
     share, rank, winner = published_share(
         megatron_gpt(hidden, layers, heads), seq_len=2048, global_batch=batch, devices=gpus,
-        cluster="a100-80gb", settings=MEGATRON, tp=tp, pp=pp)
+        cluster="a100-80gb", settings=SEARCHED, tp=tp, pp=pp)
     assert share >= RANK_TOLERANCE, (share, rank, winner)
 
 
