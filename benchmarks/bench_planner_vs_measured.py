@@ -6,14 +6,18 @@ Calibrates the machine (``densetrain plan --calibrate``) unless a calibration fi
 then trains a small model for a few steps through ``densetrain train`` in several layouts (one
 process; two gloo ranks with FSDP, DDP, tensor and pipeline parallelism), one thread per rank,
 and prints a Markdown table of predicted and measured step time (median over the steps after
-the first two, with the min-max spread) and peak memory of rank 0 (peak RSS), with the error of
-each. The fixed memory of a process (Python, torch, the data pipeline) is measured once by a
-process that imports them and is given to the planner as its workspace.
+the first two, with the min-max spread) and the largest peak RSS over the ranks, with the error
+of each. The fixed memory of a training process (Python, torch, the data pipeline, the
+allocator's arenas, autograd's engine) is measured once by the same run of a one-layer model of
+width 16, less what the planner counts for that model, and is given to the planner as its
+workspace. Collectives over gloo run on the cores that compute, so the predictions take no
+data-parallel overlap (``PlanSettings.dp_overlap=False``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -46,33 +50,46 @@ def _overrides(cache: Path, run_dir: Path, steps: int) -> list[str]:
             f"--logging.run_dir={run_dir}", "--training.dtype=fp32"]
 
 
-def measure(layout: Layout, work: Path, name: str, steps: int) -> dict:
-    """Median step seconds (and spread) and rank 0's peak RSS bytes of a short run."""
+TINY = {**MODEL, "dim": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "ffn_dim": 32}
+
+
+def measure(layout: Layout, work: Path, name: str, steps: int, model: dict = MODEL) -> dict:
+    """Median step seconds (and spread) and the largest peak RSS over the ranks of a short
+    run (the planner predicts the busiest device)."""
     from densetrain.planner.emit import emit_config
 
-    config = emit_config(work / f"{name}.toml", ModelConfig(**MODEL), layout, seq_len=SEQ,
+    config = emit_config(work / f"{name}.toml", ModelConfig(**model), layout, seq_len=SEQ,
                          global_batch=BATCH)
     run_dir = work / f"run-{name}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    rss_dir = work / f"rss-{name}"
+    rss_dir.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={layout.devices}", "-m", "densetrain", "train", str(config),
-           *_overrides(work / "cache", run_dir, steps)]
+           f"--nproc-per-node={layout.devices}", str(Path(__file__).with_name("rank_peak_rss.py")),
+           str(rss_dir), "train", str(config), *_overrides(work / "cache", run_dir, steps)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if done.returncode:
         raise RuntimeError(f"{name}: training failed:\n{done.stderr[-3000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in records if "tokens_per_s" in r][2:]
     seconds = [BATCH * SEQ / r["tokens_per_s"] for r in records]
+    peaks = [float(p.read_text()) for p in sorted(rss_dir.glob("rank*.rss"))]
+    if len(peaks) != layout.devices:
+        raise RuntimeError(f"{name}: {len(peaks)} of {layout.devices} ranks reported a peak RSS")
     return {"step_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds),
-            "peak_bytes": max(r["peak_rss_gib"] for r in records) * 2**30}
+            "peak_bytes": max(peaks)}
 
 
-def base_rss_bytes() -> float:
-    """Peak RSS of a process holding torch and densetrain's trainer imports, nothing built."""
-    code = ("import resource, torch, densetrain.train, densetrain.data; "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip())
+def fixed_process_bytes(work: Path, cluster, settings: PlanSettings) -> float:
+    """Peak RSS of a one-process run of the ``TINY`` model less the planner's count for it.
+
+    A first run prepares the data cache that every later run reads, so that the measured run,
+    like the layouts', does not hold the tokenizer's training and the corpus scan."""
+    measure(LAYOUTS["1 process"], work, "prepare", 3, model=TINY)
+    got = measure(LAYOUTS["1 process"], work, "fixed", 4, model=TINY)
+    counted = evaluate_layout(ModelConfig(**TINY), SEQ, BATCH, LAYOUTS["1 process"], cluster,
+                              settings)["mem_total"]
+    return got["peak_bytes"] - counted
 
 
 def main() -> int:
@@ -87,9 +104,11 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "densetrain", "plan", "--calibrate", calibration],
                        check=True)
     cluster = get_cluster("this-machine", load_cluster_file(calibration))
-    base = base_rss_bytes()
-    settings = PlanSettings(precision="fp32", activation_bytes=4, workspace_gb=base / 1e9,
-                            usable_memory_fraction=1.0)
+    settings = PlanSettings(precision="fp32", activation_bytes=4, workspace_gb=0.0,
+                            usable_memory_fraction=1.0, dp_overlap=False)
+    fixed = fixed_process_bytes(work, cluster, settings)
+    settings = dataclasses.replace(settings, workspace_gb=fixed / 1e9)
+    print(f"fixed memory of a training process: {fixed / 1e6:.0f} MB")
     print("| layout | predicted step s | measured step s (min-max) | time error | predicted "
           "MB | measured MB | memory error |")
     print("|---|---:|---:|---:|---:|---:|---:|")

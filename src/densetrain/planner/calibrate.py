@@ -1,14 +1,22 @@
 """`densetrain plan --calibrate`: measure this machine and write it as a cluster entry.
 
-- GEMMs: square matmuls of sides 64 ... 1024 (and larger while they stay quick) in the run's
-  dtype; the rate falls for small sides as r(s) = R s / (s + h), so 1/r is linear in 1/s and a
+- GEMMs: (2048 x s) @ (s x 2048) matmuls for s = 64 ... 1024 in the run's dtype: the smallest
+  side is s and the others are large, which is what the planner's efficiency curve reads; the
+  rate falls for small sides as r(s) = R s / (s + h), so 1/r is linear in 1/s and a
   least-squares line gives the asymptote R (written as ``peak_tflops`` with
   ``gemm_efficiency = 1``: a CPU has no data-sheet peak) and the half-rate side ``h``.
 - Memory bandwidth: a copy of a 256 MB tensor (read + write).
 - Attention: SDPA forward + backward at a moderate shape, its causal FLOPs over the peak.
-- Collectives: all-reduce over ``ranks`` local gloo processes for payloads of 1-32 MB; the bus
-  bandwidth is 2(n-1)/n x size / time (the ring factor the planner uses), latency from a
-  4-byte all-reduce. There is one node, so the inter-node figures repeat the intra-node ones.
+- Collectives: all-reduce over ``ranks`` local gloo processes for payloads of 64 KiB - 16 MiB,
+  fitted as time = alpha + 2(n-1)/n x S / B (Hockney's alpha-beta model, with the ring factor
+  the planner uses): B is the link bandwidth, alpha the fixed cost of a call, written as the
+  latency of each of the planner's 2 log2(n) steps. There is one node, so the inter-node
+  figures repeat the intra-node ones.
+- Host time per layer: forward + backward of 3- and 1-layer models too narrow (width 16 per
+  rank) to compute anything, the difference halved: eager dispatch per layer and microbatch,
+  and the same with tensor parallelism (DTensor's dispatch, the fixed cost of its collectives
+  taken out as the planner counts it). On a GPU the host runs ahead of the device and this is
+  hidden; on a CPU it is part of the step.
 
 Every figure is the median of several repeats. A calibration that cannot run its ranks (or
 runs past its timeout) raises ``RuntimeError`` saying so.
@@ -33,23 +41,24 @@ def _median_seconds(fn, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def gemm_sweep(sides=(64, 128, 256, 512, 768, 1024), dtype_name: str = "float32"):
-    """[(side, FLOP/s)] of square matmuls."""
+def gemm_sweep(sides=(64, 128, 256, 512, 768, 1024), dtype_name: str = "float32",
+               rows: int = 2048):
+    """[(side, FLOP/s)] of (rows x side) @ (side x rows) matmuls."""
     import torch
 
     dtype = getattr(torch, dtype_name)
     out = []
     for side in sides:
-        a = torch.randn(side, side, dtype=dtype)
-        b = torch.randn(side, side, dtype=dtype)
+        a = torch.randn(rows, side, dtype=dtype)
+        b = torch.randn(side, rows, dtype=dtype)
         seconds = _median_seconds(lambda a=a, b=b: torch.mm(a, b))
-        out.append((side, 2.0 * side**3 / seconds))
+        out.append((side, 2.0 * rows * side * rows / seconds))
     return out
 
 
 def fit_gemm_curve(sweep) -> tuple[float, float]:
-    """(asymptotic rate R, half-rate side h) of r(s) = R s / (s + h) by least squares on
-    1/r = 1/R + (h/R)(1/s)."""
+    """(asymptotic rate R, half-rate size h) of r(s) = R s / (s + h) by least squares on
+    1/r = 1/R + (h/R)(1/s) (GEMM sides, or collective payloads)."""
     xs = [1.0 / s for s, _ in sweep]
     ys = [1.0 / r for _, r in sweep]
     n = len(xs)
@@ -87,36 +96,100 @@ def attention_rate(batch: int = 2, heads: int = 8, seq: int = 512, head_dim: int
     return flops / _median_seconds(step, repeats=3)
 
 
-def _collective_rank(rank: int, world_size: int, sizes_mb: tuple[int, ...]) -> dict:
+def _collective_rank(rank: int, world_size: int, sizes_kib: tuple[int, ...]) -> dict:
     import torch
     import torch.distributed as dist
 
+    warm = torch.ones(2**18)
+    for _ in range(5):  # the first calls of a group set up its connections
+        dist.all_reduce(warm)
     out = {}
-    for mb in sizes_mb:
-        buf = torch.ones(mb * 2**20 // 4)
+    for kib in sizes_kib:
+        buf = torch.ones(kib * 2**10 // 4)
         dist.barrier()
-        out[mb] = _median_seconds(lambda buf=buf: dist.all_reduce(buf), repeats=3)
-    tiny = torch.ones(1)
-    out[0] = _median_seconds(lambda: dist.all_reduce(tiny), repeats=20)
+        out[kib] = _median_seconds(lambda buf=buf: dist.all_reduce(buf), repeats=7)
     return out
 
 
+def fit_alpha_beta(points) -> tuple[float, float]:
+    """(bandwidth B, fixed cost alpha) of time = alpha + bytes / B by least squares over
+    [(bytes, seconds)] (Hockney's model of a message)."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum(
+        (x - mean_x) ** 2 for x, _ in points)
+    if slope <= 0:
+        raise RuntimeError(f"collective times do not grow with the payload: {points}")
+    return 1.0 / slope, max(mean_y - slope * mean_x, 0.0)
+
+
 def collective_figures(ranks: int, timeout_s: float = 120.0,
-                       sizes_mb: tuple[int, ...] = (1, 8, 32)) -> tuple[float, float]:
-    """(bus bandwidth bytes/s, latency s) of gloo all-reduce between ``ranks`` local processes."""
+                       sizes_kib: tuple[int, ...] = (64, 256, 1024, 4096, 16384),
+                       ) -> tuple[float, float]:
+    """(bus bandwidth bytes/s, fixed cost per call s) of gloo all-reduce between ``ranks``
+    local processes: time = alpha + 2(n-1)/n x payload / bandwidth, fitted over the payloads."""
     from densetrain.testing import run_distributed
 
     if ranks < 2:
         raise ValueError(f"--calibrate-ranks must be >= 2 to measure collectives, got {ranks}")
     try:
-        results = run_distributed(_collective_rank, ranks, sizes_mb, timeout=timeout_s)
+        results = run_distributed(_collective_rank, ranks, sizes_kib, timeout=timeout_s)
     except Exception as e:  # a rank that fails or hangs: say why, no partial entry
         raise RuntimeError(f"collective calibration on {ranks} local gloo ranks failed: {e}") from e
-    times = {mb: max(r[mb] for r in results) for mb in (*sizes_mb, 0)}
     ring = 2.0 * (ranks - 1) / ranks
-    bandwidth = statistics.median(ring * mb * 2**20 / times[mb] for mb in sizes_mb)
-    latency = times[0] / (2 * math.ceil(math.log2(ranks)))
-    return bandwidth, latency
+    return fit_alpha_beta([(ring * kib * 2**10, max(r[kib] for r in results))
+                           for kib in sizes_kib])
+
+
+def _layer_host_rank(rank: int, world_size: int, repeats: int) -> dict:
+    """Seconds per layer of forward + backward for a model too narrow to compute anything,
+    plain (each rank alone) and tensor-parallel with sequence parallel over all ranks."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from densetrain.models.config import ModelConfig
+    from densetrain.models.transformer import Transformer
+    from densetrain.parallel.tensor import apply_tensor_parallel
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    tokens = torch.randint(0, 64, (1, 8 * world_size))
+    out = {}
+    for tp in (False, True):
+        step_s = {}
+        for layers in (1, 3):
+            torch.manual_seed(0)
+            cfg = ModelConfig(vocab_size=64 * world_size, dim=16 * world_size, num_layers=layers,
+                              num_heads=2 * world_size, num_kv_heads=world_size,
+                              ffn_dim=32 * world_size, max_seq_len=tokens.shape[1])
+            model = Transformer(cfg)
+            if tp:
+                apply_tensor_parallel(model, mesh, sequence_parallel=True)
+
+            def step(model=model):
+                model(tokens).float().sum().backward()
+
+            step_s[layers] = _median_seconds(step, repeats=repeats)
+        out["tp" if tp else "plain"] = (step_s[3] - step_s[1]) / 2
+    return out
+
+
+def layer_host_seconds(ranks: int, alpha: float, timeout_s: float = 120.0,
+                       repeats: int = 7) -> tuple[float, float]:
+    """(plain, tensor-parallel) host seconds per layer and microbatch: the eager dispatch (and,
+    under tp, DTensor's) that a narrow model spends beyond its FLOPs. The tensor-parallel
+    figure leaves out the fixed cost of the 4 collectives per layer the planner already counts
+    (``alpha`` each, from ``collective_figures``)."""
+    from densetrain.testing import run_distributed
+
+    try:
+        results = run_distributed(_layer_host_rank, ranks, repeats, timeout=timeout_s)
+    except Exception as e:  # a rank that fails or hangs: say why, no partial entry
+        raise RuntimeError(f"host-overhead calibration on {ranks} local gloo ranks failed: "
+                           f"{e}") from e
+    plain = statistics.median(r["plain"] for r in results)
+    tp = max(r["tp"] for r in results) - 4 * alpha
+    return max(plain, 0.0), max(tp, 0.0)
 
 
 def calibrate(path: str | Path, *, ranks: int = 2, name: str = "this-machine",
@@ -126,7 +199,9 @@ def calibrate(path: str | Path, *, ranks: int = 2, name: str = "this-machine",
 
     torch.set_num_threads(max(1, (os.cpu_count() or ranks) // ranks))
     rate, half = fit_gemm_curve(gemm_sweep())
-    bandwidth, latency = collective_figures(ranks, timeout_s)
+    bandwidth, alpha = collective_figures(ranks, timeout_s)
+    latency = alpha / (2 * math.ceil(math.log2(ranks)))  # the planner's 2 log2(n) steps a call
+    layer_host, tp_layer_host = layer_host_seconds(ranks, alpha, timeout_s)
     total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     entry = {
         "peak_tflops": rate / 1e12, "gemm_efficiency": 1.0, "gemm_half_dim": half,
@@ -134,7 +209,8 @@ def calibrate(path: str | Path, *, ranks: int = 2, name: str = "this-machine",
         "memory_gb": total_memory / ranks / 1e9, "hbm_tb_s": memory_bandwidth() / 1e12,
         "devices_per_node": ranks, "intra_node_gb_s": bandwidth / 1e9,
         "inter_node_gb_s": bandwidth / 1e9, "intra_node_latency_us": latency * 1e6,
-        "inter_node_latency_us": latency * 1e6,
+        "inter_node_latency_us": latency * 1e6, "layer_host_us": layer_host * 1e6,
+        "tp_layer_host_us": tp_layer_host * 1e6,
         "description": f"measured: {ranks} local processes, gloo, float32, "
                        f"{torch.get_num_threads()} threads each",
     }

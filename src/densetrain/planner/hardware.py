@@ -20,6 +20,8 @@ Custom entries are read from a TOML or JSON file with one table per cluster::
     attention_efficiency = 0.4 # share of peak of fused attention (forward + backward)
     collective_efficiency = 0.8   # optional: large-payload bus bandwidth / link bandwidth
     collective_half_mb = 12       # optional: payload at which a collective reaches half of that
+    layer_host_us = 0             # optional: host time per layer and microbatch (CPU dispatch)
+    tp_layer_host_us = 0          # optional: the same under tensor parallelism
 
 ``densetrain plan --calibrate`` measures these on the machine it runs on and writes such a file.
 """
@@ -72,6 +74,11 @@ class ClusterSpec:
     """Payload at which a collective reaches half of its large-payload bandwidth: the bandwidth
     of a payload S is ``link x collective_efficiency x S / (S + collective_half_bytes)``
     (0: every payload runs at the large-payload rate)."""
+    layer_host_s: float = 0.0
+    """Host time per layer and microbatch (forward + backward) beyond the device's work: eager
+    dispatch on a CPU, where it adds to the step. 0 on GPUs, whose host runs ahead."""
+    tp_layer_host_s: float = 0.0
+    """The same with tensor parallelism (DTensor's dispatch), replacing ``layer_host_s``."""
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -104,7 +111,8 @@ class ClusterSpec:
         for name in ("gemm_efficiency", "attention_efficiency"):
             if getattr(self, name) > 1:
                 raise ValueError(f"cluster {self.name!r}: {name} must be <= 1 (a share of peak)")
-        for name in ("intra_node_latency_s", "inter_node_latency_s"):
+        for name in ("intra_node_latency_s", "inter_node_latency_s", "layer_host_s",
+                     "tp_layer_host_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"cluster {self.name!r}: {name} must be >= 0")
 
@@ -192,6 +200,8 @@ _FILE_FIELDS = {
     "inter_node_latency_us": ("inter_node_latency_s", 1e-6),
     "collective_efficiency": ("collective_efficiency", 1),
     "collective_half_mb": ("collective_half_bytes", 2**20),
+    "layer_host_us": ("layer_host_s", 1e-6),
+    "tp_layer_host_us": ("tp_layer_host_s", 1e-6),
     "description": ("description", None),
 }
 _REQUIRED = ("peak_tflops", "memory_gb", "hbm_tb_s", "devices_per_node", "intra_node_gb_s",

@@ -13,6 +13,7 @@ TIME_PARTS = (
     ("cp_exposed_s", "exposed context-parallel communication"),
     ("dp_exposed_s", "exposed data-parallel communication"),
     ("optimizer_s", "optimizer step"),
+    ("host_s", "host dispatch"),
 )
 
 

@@ -16,6 +16,9 @@
   weight gradients fills (T_F + T_B - T_W) of each (T_F + T_B + T_W) slot, a third with equal
   thirds); ZB-V none once m >= 2p - 1 (Qi et al. 2023 sec. 4), else ZB-H1's.
 - Optimizer step: HBM traffic of the locally updated parameters.
+- Host time: ``ClusterSpec.layer_host_s`` (``tp_layer_host_s`` under tensor parallelism) per
+  layer and microbatch of the busiest stage, a third more with full recompute (its forward
+  again); measured by ``plan --calibrate`` on CPUs, 0 on GPUs.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import numpy as np
 from densetrain.models.config import ModelConfig
 from densetrain.planner.compute import model_flops_per_token, recompute_flops_per_token
 from densetrain.planner.hardware import ClusterSpec
-from densetrain.planner.layout import PP_SCHEDULES, LayoutColumns, PlanSettings
+from densetrain.planner.layout import AC_POLICIES, PP_SCHEDULES, LayoutColumns, PlanSettings
 from densetrain.planner.ops import compute_columns
 
 
@@ -50,14 +53,24 @@ def time_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layout
         compute + tp_exposed + cp_exposed)
     opt_params = mem["stage_params"] / np.where(cols.zero_stage >= 1, cols.dp_shard, 1)
     optimizer = opt_params * settings.optimizer_bytes_touched / cluster.hbm_bytes_per_s
-    step = compute + bubble + tp_exposed + comm["pp_s"] + cp_exposed + dp_exposed + optimizer
+    host = host_seconds(cols, mem, cluster)
+    step = (compute + bubble + tp_exposed + comm["pp_s"] + cp_exposed + dp_exposed + optimizer
+            + host)
     tokens_per_s = tokens / step
     mfu = model_tok * tokens_per_s / (devices * cluster.peak_flops)
     return {**parts, "compute_s": compute, "bubble_s": bubble, "tp_exposed_s": tp_exposed,
             "pp_exposed_s": comm["pp_s"], "cp_exposed_s": cp_exposed, "dp_exposed_s": dp_exposed,
-            "optimizer_s": optimizer, "step_s": step, "tokens_per_s": tokens_per_s, "mfu": mfu,
+            "optimizer_s": optimizer, "host_s": host, "step_s": step,
+            "tokens_per_s": tokens_per_s, "mfu": mfu,
             "model_flops_per_step": np.full(len(cols), model_tok * tokens),
             "hardware_flops_per_step": (model_tok + extra_tok) * tokens * np.ones(len(cols))}
+
+
+def host_seconds(cols: LayoutColumns, mem: dict[str, np.ndarray], cluster: ClusterSpec):
+    """Host time per step on the busiest device (see the module docstring)."""
+    per_layer = np.where(cols.tp > 1, cluster.tp_layer_host_s, cluster.layer_host_s)
+    recompute = np.where(cols.activation_checkpointing == AC_POLICIES.index("full"), 4 / 3, 1.0)
+    return mem["microbatches"] * mem["stage_layers"] * per_layer * recompute
 
 
 def bubble_share(schedule, pp, virtual_stages, microbatches):

@@ -124,8 +124,26 @@ def test_bubble_and_mfu_follow_their_definitions():
     assert row["mfu"] == pytest.approx(
         row["model_flops_per_step"] / (row["step_s"] * devices * h100.peak_flops))
     parts = ("compute_s", "bubble_s", "tp_exposed_s", "pp_exposed_s", "cp_exposed_s",
-             "dp_exposed_s", "optimizer_s")
+             "dp_exposed_s", "optimizer_s", "host_s")
     assert row["step_s"] == pytest.approx(sum(row[p] for p in parts))
+    assert row["host_s"] == 0.0  # a GPU's host runs ahead of the device
+
+
+def test_host_time_per_layer_and_microbatch():
+    from densetrain.planner.hardware import with_overrides
+
+    cluster = with_overrides(get_cluster("h100"), layer_host_s=1e-3, tp_layer_host_s=5e-3)
+    cfg = get_preset("llama3-8b")
+    plain = evaluate_layout(cfg, 4096, 16, Layout(micro_batch_size=2), cluster, PlanSettings())
+    tp = evaluate_layout(cfg, 4096, 16, Layout(tp=2, micro_batch_size=2), cluster,
+                         PlanSettings())
+    full = evaluate_layout(cfg, 4096, 16, Layout(micro_batch_size=2,
+                                                 activation_checkpointing="full"),
+                           cluster, PlanSettings())
+    # 8 microbatches x 32 layers x the per-layer figure; full recompute runs the forward again.
+    assert plain["host_s"] == pytest.approx(8 * 32 * 1e-3)
+    assert tp["host_s"] == pytest.approx(8 * 32 * 5e-3)
+    assert full["host_s"] == pytest.approx(8 * 32 * 1e-3 * 4 / 3)
 
 
 def test_bad_layouts_are_rejected_with_the_field_named():
