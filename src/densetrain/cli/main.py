@@ -44,6 +44,14 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class _VersionAction(argparse.Action):
+    """``--version``, reading the package metadata only when asked (importlib.metadata costs
+    about 70 ms of every command's start-up otherwise)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.exit(message=f"densetrain {_version()}\n")
+
+
 def _modules_for(argv: list[str]) -> list[str]:
     """The command modules to register: only the named command's when argv names one (so that
     one command does not pay for importing the others), else all (for help)."""
@@ -61,7 +69,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         DEBUG_FLAG, action="store_true", help="show the full traceback of an error (anywhere)"
     )
-    parser.add_argument("--version", action="version", version=f"densetrain {_version()}")
+    parser.add_argument("--version", action=_VersionAction, nargs=0,
+                        help="show the installed version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     # Registering reads configs (pure Python) but must not import torch: `--help` and `plan`
     # never need it. The torch model is imported on first use.
