@@ -49,7 +49,8 @@ class _VersionAction(argparse.Action):
     about 70 ms of every command's start-up otherwise)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.exit(message=f"densetrain {_version()}\n")
+        print(f"densetrain {_version()}")  # on stdout, as argparse's own version action
+        parser.exit()
 
 
 def _modules_for(argv: list[str]) -> list[str]:
