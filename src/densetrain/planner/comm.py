@@ -91,7 +91,8 @@ def _dp_comm(cols: LayoutColumns, mem: dict[str, np.ndarray], cluster: ClusterSp
     """Per-collective DP/FSDP times (for the overlap model) and the step's DP bytes.
 
     Each collective moves one layer's share (FSDP units are layers; DDP's gradient buckets are
-    of that order), which sets its payload and so its bandwidth (``link``)."""
+    of that order), which sets its payload and so its bandwidth (``link``), and there is one
+    per layer, each paying the latency."""
     psi = mem["stage_params"]
     m = mem["microbatches"]
     stage = cols.zero_stage
@@ -101,7 +102,8 @@ def _dp_comm(cols: LayoutColumns, mem: dict[str, np.ndarray], cluster: ClusterSp
     bw_shard, lat_shard = link(cluster, inner * shard, unit * gather_bytes)
     bw_rep, lat_rep = link(cluster, inner * shard * rep, unit / shard * g_bytes)
     bw_all, lat_all = link(cluster, inner * dp, unit * g_bytes)
-    lat_steps = lambda n: 2 * np.ceil(np.log2(np.maximum(n, 2)))  # noqa: E731
+    calls = np.maximum(layers, 1.0)  # one collective per layer's share, each with its latency
+    lat_steps = lambda n: calls * 2 * np.ceil(np.log2(np.maximum(n, 2)))  # noqa: E731
     # stage 0: one all-reduce of all gradients over dp.
     ar_bytes = ring_factor(dp, "all_reduce") * psi * g_bytes * (stage == 0)
     rs_bytes = ring_factor(shard, "reduce_scatter") * psi * g_bytes * (stage > 0)
