@@ -1,13 +1,15 @@
 """The planner's predictions against measured steps on this machine.
 
-    python benchmarks/bench_planner_vs_measured.py [--calibration this-machine.toml] [--steps 8]
+    python benchmarks/bench_planner_vs_measured.py [--rounds 3] [--steps 8]
+                                                   [--calibration this-machine.toml]
 
-Calibrates the machine (``densetrain plan --calibrate``) unless a calibration file is given,
-then trains a small model for a few steps through ``densetrain train`` in several layouts (one
-process; two gloo ranks with FSDP, DDP, tensor and pipeline parallelism), one thread per rank,
-and prints a Markdown table of predicted and measured step time (median over the steps after
-the first two, with the min-max spread) and the largest peak RSS over the ranks, with the error
-of each. The fixed memory of a training process (Python, torch, the data pipeline, the
+Each round calibrates the machine (``densetrain plan --calibrate``, unless a calibration file
+is given) and then trains a small model for a few steps through ``densetrain train`` in several
+layouts (one process; two gloo ranks with FSDP, DDP, tensor and pipeline parallelism), one
+thread per rank. It prints a Markdown table of predicted and measured step time (per round the
+median over the steps after the first two; the table gives the median over the rounds with
+their min-max) and of the largest peak RSS over the ranks, with the error of each.
+The fixed memory of a training process (Python, torch, the data pipeline, the
 allocator's arenas, autograd's engine) is measured once by the same run of a one-layer model of
 width 16, less what the planner counts for that model, and is given to the planner as its
 workspace. Collectives over gloo run on the cores that compute, so the predictions take no
@@ -92,34 +94,52 @@ def fixed_process_bytes(work: Path, cluster, settings: PlanSettings) -> float:
     return got["peak_bytes"] - counted
 
 
+def _calibrate(work: Path, round_index: int):
+    path = work / f"this-machine-{round_index}.toml"
+    subprocess.run([sys.executable, "-m", "densetrain", "plan", "--calibrate", str(path)],
+                   check=True, stdout=subprocess.DEVNULL)
+    return get_cluster("this-machine", load_cluster_file(path))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calibration", default=None, help="cluster file from plan --calibrate")
+    parser.add_argument("--calibration", default=None,
+                        help="cluster file from plan --calibrate (default: calibrate each round)")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of (calibrate, every layout); medians over the rounds")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="densetrain-bench-plan-"))
-    calibration = args.calibration
-    if calibration is None:
-        calibration = str(work / "this-machine.toml")
-        subprocess.run([sys.executable, "-m", "densetrain", "plan", "--calibrate", calibration],
-                       check=True)
-    cluster = get_cluster("this-machine", load_cluster_file(calibration))
+    fixed_cluster = (get_cluster("this-machine", load_cluster_file(args.calibration))
+                     if args.calibration else None)
     settings = PlanSettings(precision="fp32", activation_bytes=4, workspace_gb=0.0,
                             usable_memory_fraction=1.0, dp_overlap=False)
-    fixed = fixed_process_bytes(work, cluster, settings)
-    settings = dataclasses.replace(settings, workspace_gb=fixed / 1e9)
-    print(f"fixed memory of a training process: {fixed / 1e6:.0f} MB")
-    print("| layout | predicted step s | measured step s (min-max) | time error | predicted "
-          "MB | measured MB | memory error |")
+    rows: dict[str, list[tuple[dict, dict]]] = {name: [] for name in LAYOUTS}
+    for r in range(args.rounds):
+        cluster = fixed_cluster or _calibrate(work, r)
+        if r == 0:
+            fixed = fixed_process_bytes(work, cluster, settings)
+            settings = dataclasses.replace(settings, workspace_gb=fixed / 1e9)
+            print(f"fixed memory of a training process: {fixed / 1e6:.0f} MB", flush=True)
+        for i, (name, layout) in enumerate(LAYOUTS.items()):
+            got = measure(layout, work, f"r{r}-layout{i}", args.steps)
+            row = evaluate_layout(ModelConfig(**MODEL), SEQ, BATCH, layout, cluster, settings)
+            rows[name].append((row, got))
+            print(f"round {r + 1}: {name}: predicted {row['step_s']:.3f} s, measured "
+                  f"{got['step_s']:.3f} s", flush=True)
+    print("| layout | predicted step s | measured step s (rounds' min-max) | time error "
+          "(rounds' min-max) | predicted MB | measured MB | memory error |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for i, (name, layout) in enumerate(LAYOUTS.items()):
-        got = measure(layout, work, f"layout{i}", args.steps)
-        row = evaluate_layout(ModelConfig(**MODEL), SEQ, BATCH, layout, cluster, settings)
-        t_err = row["step_s"] / got["step_s"] - 1
-        m_err = row["mem_total"] / got["peak_bytes"] - 1
-        print(f"| {name} | {row['step_s']:.3f} | {got['step_s']:.3f} ({got['min_s']:.3f}-"
-              f"{got['max_s']:.3f}) | {t_err:+.0%} | {row['mem_total'] / 1e6:.0f} | "
-              f"{got['peak_bytes'] / 1e6:.0f} | {m_err:+.0%} |", flush=True)
+    med = statistics.median
+    for name, pairs in rows.items():
+        pred = med(p["step_s"] for p, _ in pairs)
+        meas = [g["step_s"] for _, g in pairs]
+        errs = [p["step_s"] / g["step_s"] - 1 for p, g in pairs]
+        mem_p = med(p["mem_total"] for p, _ in pairs)
+        mem_m = med(g["peak_bytes"] for _, g in pairs)
+        print(f"| {name} | {pred:.3f} | {med(meas):.3f} ({min(meas):.3f}-{max(meas):.3f}) | "
+              f"{med(errs):+.0%} ({min(errs):+.0%} to {max(errs):+.0%}) | {mem_p / 1e6:.0f} | "
+              f"{mem_m / 1e6:.0f} | {mem_p / mem_m - 1:+.0%} |", flush=True)
     return 0
 
 
