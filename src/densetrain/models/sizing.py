@@ -32,6 +32,14 @@ def _norm_params(cfg: ModelConfig) -> int:
     return cfg.dim * (2 if with_bias else 1)
 
 
+def relative_position_params(cfg: ModelConfig) -> int:
+    """Parameters of one layer's Transformer-XL relative positions (models/relative.py): W_R
+    [q_dim, dim] and the biases u, v [q_dim]; 0 for other position encodings."""
+    if cfg.position_embedding != "relative_xl":
+        return 0
+    return cfg.dim * cfg.q_dim + 2 * cfg.q_dim
+
+
 def layer_params(cfg: ModelConfig) -> int:
     """Parameters of one decoder layer (attention, MLP and their norms)."""
     attn = cfg.dim * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * cfg.dim
@@ -41,8 +49,7 @@ def layer_params(cfg: ModelConfig) -> int:
         attn += cfg.dim
     if cfg.qk_norm:
         attn += 2 * cfg.head_dim
-    if cfg.position_embedding == "relative_xl":
-        attn += cfg.dim * cfg.q_dim + 2 * cfg.q_dim  # W_R, u, v (models/relative.py)
+    attn += relative_position_params(cfg)
     up_matrices = 2 if cfg.activation == "swiglu" else 1
     mlp = (up_matrices + 1) * cfg.dim * cfg.ffn_dim
     if cfg.mlp_bias:
@@ -77,8 +84,16 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
 def matmul_params(cfg: ModelConfig) -> int:
     """Weights that take part in a matrix multiply per token: the non-embedding parameters plus
     the output projection over the real (unpadded) vocabulary. Embedding lookups cost no FLOPs,
-    but the output layer does (for a tied model it is the embedding matrix itself)."""
-    return param_counts(cfg).non_embedding + cfg.vocab_size * cfg.embed_dim
+    but the output layer does (for a tied model it is the embedding matrix itself).
+
+    Transformer-XL's position parameters (``relative_position_params``) are left out: no token
+    meets them in a matmul. W_R projects the T sinusoids once per forward call, whatever the
+    batch (2·T·dim·q_dim FLOPs per layer and microbatch, ``relative_projection_flops``), and u,
+    v are added to the queries; the per-token cost of relative attention is the position-score
+    matmul, counted with the attention (``attention_flops_per_token``).
+    """
+    position = cfg.num_layers * relative_position_params(cfg)
+    return param_counts(cfg).non_embedding - position + cfg.vocab_size * cfg.embed_dim
 
 
 def _attended_keys(cfg: ModelConfig, seq_len: int) -> int:
@@ -87,6 +102,36 @@ def _attended_keys(cfg: ModelConfig, seq_len: int) -> int:
     if cfg.sliding_window is None:
         return seq_len
     return min(seq_len, cfg.sliding_window)
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training (forward + backward) FLOPs per token of the attention score and value matmuls,
+    all layers: PaLM's 12·L·H·Q·T (Chowdhery et al. 2022, Appendix B; QK^T and AV, 2·T·H·Q
+    each forward, backward twice the forward), T capped by a sliding window.
+
+    Transformer-XL relative positions (``relative_xl``) add a second score matmul per head,
+    (q_i + v)·(W_R R)^T over the T distances T-1 .. 0 (models/relative.py): 2·T·H·Q forward per
+    token and layer, and backward its two input gradients (of q + v and of the position keys
+    W_R R), 4·T·H·Q: 6·L·H·Q·T in all, half as much again as the content terms, so
+    18·L·H·Q·T. Like QK^T it is computed over the whole S x T (the formulas' convention does
+    not halve for the causal mask; the relative shift needs every distance of every row).
+    """
+    _check_seq_len(seq_len)
+    keys = _attended_keys(cfg, seq_len)
+    matmuls = 3 if cfg.position_embedding == "relative_xl" else 2
+    return float(6 * matmuls * cfg.num_layers * cfg.q_dim * keys)
+
+
+def relative_projection_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs of W_R applied to the T sinusoids, all layers, per forward call (one
+    microbatch, whatever its batch size): 2·L·T·dim·q_dim; 0 without ``relative_xl``.
+
+    Backward costs the same once more (the weight gradient; the sinusoids need none).
+    """
+    _check_seq_len(seq_len)
+    if cfg.position_embedding != "relative_xl":
+        return 0.0
+    return float(2 * cfg.num_layers * seq_len * cfg.dim * cfg.q_dim)
 
 
 def flops_per_token_palm(cfg: ModelConfig, seq_len: int) -> float:
@@ -98,10 +143,29 @@ def flops_per_token_palm(cfg: ModelConfig, seq_len: int) -> float:
     projection); for PaLM 540B (tied, no position table) that is its full 540B, with which
     the paper's 46.2% MFU at 238.3k tokens/s on 6144 TPU v4 chips is reproduced (tested).
     With a sliding window, T is capped at the window.
+
+    Transformer-XL relative positions (Gopher, Chinchilla): the attention term is
+    ``attention_flops_per_token``'s 18·L·H·Q·T (the position-score matmul is work the model
+    does for every token, as QK^T is), and N leaves out W_R, u and v (``matmul_params``). W_R
+    meets no token: it projects T sinusoids that depend on no input, a cost per forward call
+    (``relative_projection_flops``) that an implementation may pay once per step, so model
+    FLOPs (which count the model, not its implementation) leave it out, as they leave out
+    recompute. What a step really executes is ``flops_per_token_executed``.
     """
-    _check_seq_len(seq_len)
-    attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * _attended_keys(cfg, seq_len)
-    return float(6 * matmul_params(cfg) + attention)
+    return float(6 * matmul_params(cfg)) + attention_flops_per_token(cfg, seq_len)
+
+
+def flops_per_token_executed(cfg: ModelConfig, seq_len: int, micro_batch: int) -> float:
+    """Training FLOPs per token that densetrain's model executes with microbatches of
+    ``micro_batch`` sequences of ``seq_len`` (no recompute): the PaLM count plus, for
+    ``relative_xl``, W_R's projection forward and weight gradient once per microbatch,
+    2·``relative_projection_flops`` / (micro_batch·seq_len). Matmuls are counted as in
+    ``flops_per_token_palm`` (N includes the norm and bias parameters, which torch's FLOP
+    counter, counting matmuls only, does not see: tests/unit/models/test_sizing_relative.py)."""
+    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch <= 0:
+        raise ValueError(f"micro_batch must be a positive integer, got {micro_batch!r}")
+    projection = 2 * relative_projection_flops(cfg, seq_len) / (micro_batch * seq_len)
+    return flops_per_token_palm(cfg, seq_len) + projection
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +197,14 @@ def chinchilla_flops_breakdown(cfg: ModelConfig, seq_len: int) -> ChinchillaFlop
     ``kv_dim`` instead of H·Q; SwiGLU counts three D×F matrices instead of two; attention logits,
     softmax and reduction use the keys actually attended (capped by a sliding window). Biases,
     norms and activations are not counted, as in the paper.
+
+    Transformer-XL relative positions are not counted either, although Chinchilla and Gopher
+    used them: the appendix lists no position term, and its Table A4 ratios come out (to the
+    table's two decimals) only with none (tests/unit/models/test_sizing.py, the position
+    weights in N, no position FLOPs). This stays the paper's count, so for a ``relative_xl``
+    model it is below the real cost by the position-score matmul, 3·2·L·T·H·Q per token in
+    training (``attention_flops_per_token``), plus W_R once per microbatch; the planner and
+    MFU use ``flops_per_token_palm`` and ``flops_per_token_executed``.
     """
     _check_seq_len(seq_len)
     keys = _attended_keys(cfg, seq_len)

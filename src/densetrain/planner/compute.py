@@ -4,6 +4,13 @@ Model FLOPs per token are PaLM's 6N + 12·L·H·Q·T (Chowdhery et al. 2022, app
 ``densetrain.models.sizing`` (the single source of counts). Recompute adds the re-run forward:
 for selective recompute (without FlashAttention) the attention core, 2·2·T·(H·Q) per layer and
 token (QK^T and AV); for full recompute the whole block forward, 2·N_non-embedding + that term.
+
+Transformer-XL relative positions (``relative_xl``): model FLOPs hold the position-score matmul
+(18·L·H·Q·T in place of 12) and leave W_R out of N (``sizing.flops_per_token_palm``); full
+recompute repeats the position scores' forward (2·L·T·H·Q per token) and W_R's projection once
+per microbatch; selective recompute keeps them (matmul outputs). Hardware FLOPs
+(``hardware_flops_per_token``) add W_R's projection and weight gradient once per microbatch,
+which model FLOPs leave out.
 """
 
 from __future__ import annotations
@@ -40,24 +47,54 @@ def attention_core_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 4.0 * cfg.num_layers * seq_len * cfg.q_dim
 
 
-def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy, flash_attention: bool):
-    """Extra forward FLOPs per token spent recomputing, per activation-checkpointing policy."""
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy, flash_attention: bool,
+                              micro_batch=None):
+    """Extra forward FLOPs per token spent recomputing, per activation-checkpointing policy.
+
+    For ``relative_xl``, full recompute also repeats W_R's projection, once per microbatch of
+    ``micro_batch`` sequences (2·L·T·d·q / (micro_batch·T) per token); without ``micro_batch``
+    that term is left out (it is below 2·d·q per layer and token, a d x q matrix's forward).
+    """
+    sizing = sizing_module()
     policy = np.asarray(policy)
     core = attention_core_flops_per_token(cfg, seq_len)
-    non_embedding = float(sizing_module().param_counts(cfg).non_embedding)
+    position_params = cfg.num_layers * sizing.relative_position_params(cfg)
+    block_matmuls = 2.0 * (sizing.param_counts(cfg).non_embedding - position_params)
+    position = 0.0
+    if cfg.position_embedding == "relative_xl":
+        position = 2.0 * cfg.num_layers * seq_len * cfg.q_dim
+        if micro_batch is not None:
+            tokens = np.asarray(micro_batch, dtype=np.float64) * seq_len
+            position = position + sizing.relative_projection_flops(cfg, seq_len) / tokens
     selective = 0.0 if flash_attention else core
     return np.select([policy == _SELECTIVE, policy == _FULL],
-                     [selective, 2.0 * non_embedding + core], default=0.0)
+                     [selective, block_matmuls + core + position], default=0.0)
+
+
+def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, policy, flash_attention: bool,
+                             micro_batch) -> np.ndarray:
+    """FLOPs per token a step executes: ``sizing.flops_per_token_executed`` (model FLOPs plus
+    W_R's projection once per microbatch) plus the recomputed forward (elementwise over
+    ``policy`` and ``micro_batch`` arrays)."""
+    sizing = sizing_module()
+    micro_batch = np.asarray(micro_batch, dtype=np.float64)
+    projection = 2.0 * sizing.relative_projection_flops(cfg, seq_len) / (micro_batch * seq_len)
+    executed = sizing.flops_per_token_palm(cfg, seq_len) + projection
+    return executed + recompute_flops_per_token(cfg, seq_len, policy, flash_attention,
+                                                micro_batch=micro_batch)
 
 
 def stage_imbalance(cfg: ModelConfig, seq_len: int, pp):
     """Work of the busiest pipeline stage over the mean stage work (1 without a pipeline).
 
-    A stage's work is 6·(its layer parameters) + 12·T·H·Q per layer and token; the last stage
-    also runs the output projection, 6·V·d. Stages get ceil(L/pp) layers at most.
+    A stage's work is 6·(its layer parameters that meet tokens in matmuls) + the attention's
+    12·T·H·Q (18 with relative positions) per layer and token; the last stage also runs the
+    output projection, 6·V·d. Stages get ceil(L/pp) layers at most.
     """
     pp = np.asarray(pp, dtype=np.float64)
-    per_layer = 6.0 * sharded_params(cfg, 1).per_layer + 12.0 * seq_len * cfg.q_dim
+    layer_params = sharded_params(cfg, 1).per_layer - sizing_module().relative_position_params(cfg)
+    attention = sizing_module().attention_flops_per_token(cfg, seq_len) / cfg.num_layers
+    per_layer = 6.0 * layer_params + attention
     head = 6.0 * cfg.padded_vocab_size * cfg.embed_dim
     busiest = np.ceil(cfg.num_layers / pp) * per_layer + head
     mean = (cfg.num_layers * per_layer + head) / pp

@@ -11,7 +11,9 @@ sbh(34 + 5as/h) with no parallelism, sbh(10 + 24/t + 5as/(ht)) with tensor paral
 sbh/t (34 + 5as/h) with sequence parallelism, and the 5as^2b attention-core term dropped by
 selective recompute; full recompute keeps only the layer input, 2sbh. ``layer_activation_bytes``
 generalises the term list to GQA (q/kv widths), SwiGLU, any ffn width, no dropout and
-FlashAttention, and reduces to those formulas for a GPT layer (tested).
+FlashAttention, and reduces to those formulas for a GPT layer (tested). Transformer-XL relative
+positions add the s x T position scores and the inputs of the position matmul
+(``_relative_position_bytes``; measured against autograd in test_planner_relative.py).
 """
 
 from __future__ import annotations
@@ -74,9 +76,36 @@ def layer_activation_bytes(cfg: ModelConfig, *, seq_len, micro_batch, tp, sequen
         # softmax output (2as^2b); with dropout also its mask (as^2b) and output (2as^2b).
         core = heads * s * s * b * (e + mask * (1 + e)) / t
         core = np.where(policy == AC_SELECTIVE, 0.0, core)
+    if cfg.position_embedding == "relative_xl":
+        core = core + _relative_position_bytes(cfg, s, b, t, policy, flash_attention, e)
     stored = np.where(sp, replicated / t, replicated) + sharded + core
     layer_input = np.where(sp, e * sbh / t, e * sbh)
     return np.where(policy == AC_FULL, layer_input, stored)
+
+
+def _relative_position_bytes(cfg: ModelConfig, s, b, t, policy, flash_attention: bool, e):
+    """What Transformer-XL relative attention (models/relative.py) adds to a layer's stored
+    activations, beyond the content attention's q, k, v and output (q + u takes q's place).
+
+    Without recompute: the position matmul's inputs, q + v (s·b·q) and the position keys W_R R
+    expanded over the batch by the broadcasting matmul (b·T·q), W_R's input, the T sinusoids
+    (T·d), and the boolean causal mask of the ``masked_fill`` (s·T bytes, per layer, not per
+    head). The trainer's selective policy keeps matmul outputs only (the position keys, T·q)
+    and recomputes the rest. The s x T position scores: a fused SDPA kernel (CUDA's
+    memory-efficient one, which takes a float mask with a gradient; the flash kernel takes no
+    mask) keeps the bias as an input of its backward
+    (``_scaled_dot_product_efficient_attention_backward`` reads ``attn_bias``), e·b·H·s·T; the
+    math path adds it to the scores and keeps only the softmax (already counted); the selective
+    policy keeps the raw position scores (a bmm output) and recomputes the shift and mask from
+    them. T = s: relative_xl runs with cp = 1.
+    """
+    position_inputs = np.where(
+        policy == AC_SELECTIVE, e * s * cfg.q_dim,
+        e * (s * b * cfg.q_dim + b * s * cfg.q_dim + s * cfg.dim) + s * s)
+    scores = cfg.num_heads * s * s * b * e / t
+    if flash_attention:
+        return position_inputs / t + scores
+    return position_inputs / t + np.where(policy == AC_SELECTIVE, scores, 0.0)
 
 
 def in_flight_layers(num_layers_stage, pp, schedule, virtual_stages, microbatches):

@@ -18,6 +18,17 @@ Per transformer layer and microbatch, on one device (t = micro_batch x seq / cp 
 - Recompute: full checkpointing repeats the forward of all of it; the trainer's selective
   policy keeps matmul and attention outputs and repeats the element-wise forward (without a
   fused kernel, also the attention core: Korthikanti et al. 2022's selective recompute).
+- Transformer-XL relative positions (``relative_xl``, models/relative.py), counted with the
+  attention: the position-score matmul, batched (s, T, K) GEMMs per head (backward 2x: the
+  gradients of q + v and of the position keys); W_R's (T, q, d) GEMM once per microbatch
+  (backward 1x: the weight gradient only); the relative shift's pad, the scale and the
+  masked_fill, each a read and write of the s x T scores (backward: 8 such passes), and the
+  q + u / q + v adds, over HBM. The float bias rules out the flash kernel: on CUDA SDPA takes
+  the memory-efficient kernel, which reads the bias (and in backward reads it again and
+  writes its gradient) and, the causal mask being inside the bias, computes every block of
+  the s x T scores instead of half; without a fused kernel the math path adds the bias to the
+  scores. The efficient kernel is assumed to run at ``attention_efficiency``, the flash
+  kernel's figure. Selective recompute repeats the shift (its outputs are not matmuls).
 """
 
 from __future__ import annotations
@@ -56,7 +67,10 @@ def _layer_gemms(cfg: ModelConfig, tokens, tp, cluster: ClusterSpec, eff):
 def _attention_forward(cfg: ModelConfig, micro_batch, local_seq, seq_len, tp,
                        cluster: ClusterSpec, settings: PlanSettings, eff):
     heads_local = cfg.num_heads / tp
-    flops = 4.0 * micro_batch * local_seq * seq_len * cfg.q_dim / tp * 0.5
+    # A fused kernel skips the masked half of a causal score matrix; relative_xl passes its
+    # causal mask inside the float bias, so the kernel computes every block.
+    causal_share = 1.0 if cfg.position_embedding == "relative_xl" else 0.5
+    flops = 4.0 * micro_batch * local_seq * seq_len * cfg.q_dim / tp * causal_share
     if settings.flash_attention:
         return flops / (cluster.peak_flops * cluster.attention_efficiency)
     rows = micro_batch * heads_local
@@ -66,6 +80,33 @@ def _attention_forward(cfg: ModelConfig, micro_batch, local_seq, seq_len, tp,
     passes = 2 * 2 + ((2 * 2 + 1) if settings.attention_dropout else 0)
     softmax = rows * local_seq * seq_len * passes / cluster.hbm_bytes_per_s
     return scores + values + softmax
+
+
+def _relative_position_seconds(cfg: ModelConfig, micro_batch, local_seq, seq_len, tp,
+                               cluster: ClusterSpec, settings: PlanSettings, eff):
+    """(forward, backward, element-wise forward) seconds of what Transformer-XL relative
+    attention (models/relative.py) adds to a layer per microbatch; zeros for other models."""
+    if cfg.position_embedding != "relative_xl":
+        return 0.0, 0.0, 0.0
+    e, hbm = settings.activation_bytes, cluster.hbm_bytes_per_s
+    rows = micro_batch * cfg.num_heads / tp
+    scores = rows * gemm_seconds(local_seq, seq_len, cfg.head_dim, cluster, efficiency=eff)
+    projection = gemm_seconds(seq_len, cfg.q_dim / tp, cfg.dim, cluster, efficiency=eff)
+    score_bytes = rows * local_seq * seq_len * e
+    # q + u and q + v (read q, write each), the position keys expanded over the batch.
+    small = (4.0 * micro_batch * local_seq + 2.0 * micro_batch * seq_len) * cfg.q_dim / tp * e
+    # The relative shift's pad, the 1/sqrt(K) scale and the masked_fill each read and write
+    # the s x T scores; backward runs masked_fill, scale, the slice's and the pad's backward.
+    shift_forward = (6.0 * score_bytes + small) / hbm
+    shift_backward = (8.0 * score_bytes + small) / hbm
+    if settings.flash_attention:  # the fused kernel reads the bias; backward writes its grad
+        kernel_forward, kernel_backward = score_bytes / hbm, 2.0 * score_bytes / hbm
+    else:  # the math path adds the bias to the scores (2 reads, 1 write)
+        kernel_forward, kernel_backward = 3.0 * score_bytes / hbm, 0.0
+    # W_R's backward is its weight gradient only (the sinusoids need none).
+    forward = scores + projection + shift_forward + kernel_forward
+    backward = 2.0 * scores + projection + shift_backward + kernel_backward
+    return forward, backward, shift_forward
 
 
 def _elementwise_forward(cfg: ModelConfig, tokens, tp, sp, e: int, cluster: ClusterSpec,
@@ -88,6 +129,8 @@ def compute_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, setting
     eff = settings.compute_efficiency
     gemm_f = _layer_gemms(cfg, tokens, tp, cluster, eff)
     attn_f = _attention_forward(cfg, mbs, local_seq, seq_len, tp, cluster, settings, eff)
+    rel_f, rel_b, rel_elem_f = _relative_position_seconds(cfg, mbs, local_seq, seq_len, tp,
+                                                          cluster, settings, eff)
     elem_f = _elementwise_forward(cfg, tokens, tp, cols.sequence_parallel,
                                   settings.activation_bytes, cluster, settings.attention_dropout)
     head_f = gemm_seconds(tokens, cfg.padded_vocab_size / tp, cfg.embed_dim, cluster,
@@ -96,18 +139,20 @@ def compute_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, setting
     policy = cols.activation_checkpointing
     recompute = np.select(
         [policy == _FULL, policy == _SELECTIVE],
-        [gemm_f + attn_f + elem_f, elem_f + (0.0 if settings.flash_attention else attn_f)],
+        [gemm_f + attn_f + elem_f + rel_f,
+         elem_f + rel_elem_f + (0.0 if settings.flash_attention else attn_f)],
         default=0.0)
     # Balanced split: the first stage has ceil(L / pp) layers, the last floor(L / pp) + the head.
     first = np.ceil(cfg.num_layers / cols.pp)
     last = np.where(cols.pp == 1, cfg.num_layers, np.floor(cfg.num_layers / cols.pp))
-    layer_s = 3.0 * gemm_f + 3.5 * attn_f + 3.0 * elem_f + recompute
+    attention_s = 3.5 * attn_f + rel_f + rel_b
+    layer_s = 3.0 * gemm_f + attention_s + 3.0 * elem_f + recompute
     head_s = 3.0 * head_f + loss
     on_last = last * layer_s + head_s >= first * layer_s
     stage_layers = np.where(on_last, last, first)
     per_mb = {
         "gemm_s": 3.0 * (gemm_f * stage_layers + head_f * on_last),
-        "attention_s": 3.5 * attn_f * stage_layers,
+        "attention_s": attention_s * stage_layers,
         "elementwise_s": 3.0 * elem_f * stage_layers + loss * on_last,
         "recompute_s": recompute * stage_layers,
     }
