@@ -47,9 +47,20 @@ def attention_core_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 4.0 * cfg.num_layers * seq_len * cfg.q_dim
 
 
+def early_stop_skips_down(cfg: ModelConfig) -> bool:
+    """Whether a non-reentrant checkpoint of a block stops before its last matmul: in a pre-norm
+    sequential block without dropout nothing backward needs is computed after the MLP's down
+    projection (its output only feeds the residual add)."""
+    return (cfg.norm_position == "pre" and cfg.block_type == "sequential"
+            and cfg.dropout == 0)
+
+
 def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy, flash_attention: bool,
-                              micro_batch=None):
+                              micro_batch=None, early_stop: bool = False):
     """Extra forward FLOPs per token spent recomputing, per activation-checkpointing policy.
+
+    With ``early_stop`` (``PlanSettings.checkpoint_early_stop``), full recompute leaves out the
+    down projection's 2·d·ffn per layer where ``early_stop_skips_down`` holds.
 
     For ``relative_xl``, full recompute also repeats W_R's projection, once per microbatch of
     ``micro_batch`` sequences (2·L·T·d·q / (micro_batch·T) per token); without ``micro_batch``
@@ -66,13 +77,15 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy, flash_atte
         if micro_batch is not None:
             tokens = np.asarray(micro_batch, dtype=np.float64) * seq_len
             position = position + sizing.relative_projection_flops(cfg, seq_len) / tokens
+    if early_stop and early_stop_skips_down(cfg):
+        block_matmuls -= 2.0 * cfg.num_layers * cfg.dim * cfg.ffn_dim
     selective = 0.0 if flash_attention else core
     return np.select([policy == _SELECTIVE, policy == _FULL],
                      [selective, block_matmuls + core + position], default=0.0)
 
 
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, policy, flash_attention: bool,
-                             micro_batch) -> np.ndarray:
+                             micro_batch, early_stop: bool = False) -> np.ndarray:
     """FLOPs per token a step executes: ``sizing.flops_per_token_executed`` (model FLOPs plus
     W_R's projection once per microbatch) plus the recomputed forward (elementwise over
     ``policy`` and ``micro_batch`` arrays)."""
@@ -81,7 +94,7 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, policy, flash_atten
     projection = 2.0 * sizing.relative_projection_flops(cfg, seq_len) / (micro_batch * seq_len)
     executed = sizing.flops_per_token_palm(cfg, seq_len) + projection
     return executed + recompute_flops_per_token(cfg, seq_len, policy, flash_attention,
-                                                micro_batch=micro_batch)
+                                                micro_batch=micro_batch, early_stop=early_stop)
 
 
 def stage_imbalance(cfg: ModelConfig, seq_len: int, pp):

@@ -139,6 +139,11 @@ class PlanSettings:
     prefetched all-gathers). False: it runs after the backward, as in Megatron-LM's 2021-22
     "local" DDP, which all-reduced its contiguous gradient buffer once the pipeline had
     flushed (Narayanan et al. 2021; Korthikanti et al. 2022)."""
+    checkpoint_early_stop: bool = True
+    """Full recompute as torch's non-reentrant checkpoint runs it (the trainer's): it stops once
+    the tensors backward needs are rebuilt, so a pre-norm sequential block without dropout does
+    not re-run its last matmul (the MLP's down projection). False: the whole block forward is
+    repeated (Megatron-LM's and Korthikanti et al. 2022's count)."""
     flash_attention: bool = True
     """Attention that never stores the s x s scores (FlashAttention / SDPA)."""
     attention_dropout: bool = False

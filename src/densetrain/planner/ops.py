@@ -36,6 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from densetrain.models.config import ModelConfig
+from densetrain.planner.compute import early_stop_skips_down
 from densetrain.planner.hardware import ClusterSpec
 from densetrain.planner.layout import AC_POLICIES, LayoutColumns, PlanSettings
 
@@ -60,8 +61,11 @@ def _layer_gemms(cfg: ModelConfig, tokens, tp, cluster: ClusterSpec, eff):
     qkv = gemm_seconds(tokens, cfg.q_dim / tp + 2 * kv_local, cfg.dim, cluster, efficiency=eff)
     wo = gemm_seconds(tokens, cfg.dim, cfg.q_dim / tp, cluster, efficiency=eff)
     up = num_up * gemm_seconds(tokens, cfg.ffn_dim / tp, cfg.dim, cluster, efficiency=eff)
-    down = gemm_seconds(tokens, cfg.dim, cfg.ffn_dim / tp, cluster, efficiency=eff)
-    return qkv + wo + up + down
+    return qkv + wo + up + _down_gemm(cfg, tokens, tp, cluster, eff)
+
+
+def _down_gemm(cfg: ModelConfig, tokens, tp, cluster: ClusterSpec, eff):
+    return gemm_seconds(tokens, cfg.dim, cfg.ffn_dim / tp, cluster, efficiency=eff)
 
 
 def _attention_forward(cfg: ModelConfig, micro_batch, local_seq, seq_len, tp,
@@ -137,9 +141,11 @@ def compute_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, setting
                           efficiency=eff)
     loss = tokens * 12.0 * cfg.padded_vocab_size / tp / cluster.hbm_bytes_per_s
     policy = cols.activation_checkpointing
+    skipped = (_down_gemm(cfg, tokens, tp, cluster, eff)
+               if settings.checkpoint_early_stop and early_stop_skips_down(cfg) else 0.0)
     recompute = np.select(
         [policy == _FULL, policy == _SELECTIVE],
-        [gemm_f + attn_f + elem_f + rel_f,
+        [gemm_f - skipped + attn_f + elem_f + rel_f,
          elem_f + rel_elem_f + (0.0 if settings.flash_attention else attn_f)],
         default=0.0)
     # Balanced split: the first stage has ceil(L / pp) layers, the last floor(L / pp) + the head.

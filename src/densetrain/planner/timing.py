@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from densetrain.models.config import ModelConfig
-from densetrain.planner.compute import model_flops_per_token, recompute_flops_per_token
+from densetrain.planner.compute import hardware_flops_per_token, model_flops_per_token
 from densetrain.planner.hardware import ClusterSpec
 from densetrain.planner.layout import AC_POLICIES, PP_SCHEDULES, LayoutColumns, PlanSettings
 from densetrain.planner.ops import compute_columns
@@ -39,8 +39,9 @@ def time_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layout
     devices = (cols.dp * cols.tp * cols.pp * cols.cp).astype(np.float64)
     tokens = float(global_batch * seq_len)
     model_tok = model_flops_per_token(cfg, seq_len)
-    extra_tok = recompute_flops_per_token(cfg, seq_len, cols.activation_checkpointing,
-                                          settings.flash_attention)
+    hardware_tok = hardware_flops_per_token(cfg, seq_len, cols.activation_checkpointing,
+                                            settings.flash_attention, cols.micro_batch_size,
+                                            early_stop=settings.checkpoint_early_stop)
     parts = compute_columns(cfg, seq_len, cols, settings, cluster, mem)
     compute = parts["gemm_s"] + parts["attention_s"] + parts["elementwise_s"] + parts["recompute_s"]
     m = mem["microbatches"]
@@ -63,7 +64,7 @@ def time_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layout
             "optimizer_s": optimizer, "host_s": host, "step_s": step,
             "tokens_per_s": tokens_per_s, "mfu": mfu,
             "model_flops_per_step": np.full(len(cols), model_tok * tokens),
-            "hardware_flops_per_step": (model_tok + extra_tok) * tokens * np.ones(len(cols))}
+            "hardware_flops_per_step": hardware_tok * tokens * np.ones(len(cols))}
 
 
 def host_seconds(cols: LayoutColumns, mem: dict[str, np.ndarray], cluster: ClusterSpec):

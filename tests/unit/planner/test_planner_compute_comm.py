@@ -40,6 +40,14 @@ def test_recompute_flops():
     # Full recompute re-runs about a third of the layers' work (the forward).
     ratio = (flops_per_token_palm(cfg, s) + expected_full) / flops_per_token_palm(cfg, s)
     assert 1.25 < ratio < 4 / 3
+    # torch's non-reentrant checkpoint does not re-run a pre-norm block's down projection; with
+    # residual dropout (its mask needs that output) or post-norm it must.
+    down = 2 * cfg.num_layers * cfg.dim * cfg.ffn_dim
+    assert float(recompute_flops_per_token(cfg, s, full, True, early_stop=True)) == (
+        expected_full - down)
+    for changed in (cfg.replace(dropout=0.1), cfg.replace(norm_position="post")):
+        assert float(recompute_flops_per_token(changed, s, full, True, early_stop=True)) == (
+            float(recompute_flops_per_token(changed, s, full, True)))
 
 
 def test_stage_imbalance_counts_the_output_layer_on_the_last_stage():

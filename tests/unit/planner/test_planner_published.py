@@ -15,7 +15,10 @@ from densetrain.models.presets import get_preset
 from densetrain.planner import Layout, PlanSettings, evaluate_layout, get_cluster
 
 GB = 1e9
-MEGATRON = PlanSettings(flash_attention=False, attention_dropout=True, dp_overlap=False)
+# Megatron-LM 2021-22: no fused attention, dropout, the DP all-reduce after the pipeline flush,
+# and full recompute re-running the whole layer forward.
+MEGATRON = PlanSettings(flash_attention=False, attention_dropout=True, dp_overlap=False,
+                        checkpoint_early_stop=False)
 
 
 def megatron_gpt(hidden: int, layers: int, heads: int) -> ModelConfig:
