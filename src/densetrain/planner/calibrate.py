@@ -12,11 +12,12 @@
   the planner uses): B is the link bandwidth, alpha the fixed cost of a call, written as the
   latency of each of the planner's 2 log2(n) steps. There is one node, so the inter-node
   figures repeat the intra-node ones.
-- Host time per layer: forward + backward of 3- and 1-layer models too narrow (width 16 per
-  rank) to compute anything, the difference halved: eager dispatch per layer and microbatch,
-  and the same with tensor parallelism (DTensor's dispatch, the fixed cost of its collectives
-  taken out as the planner counts it). On a GPU the host runs ahead of the device and this is
-  hidden; on a CPU it is part of the step.
+- Host time per layer: forward + backward, and an AdamW step, of 3- and 1-layer models too
+  narrow (width 16 per rank) to compute anything, the difference halved: eager dispatch per
+  layer and microbatch (and per layer and optimizer step), alone, with tensor parallelism
+  (DTensor's dispatch) and with FSDP2 (its hooks and copies), the fixed cost of the
+  collectives taken out as the planner counts them. On a GPU the host runs ahead of the device
+  and this is hidden; on a CPU it is part of the step.
 
 Every figure is the median of several repeats. A calibration that cannot run its ranks (or
 runs past its timeout) raises ``RuntimeError`` saying so.
@@ -28,6 +29,7 @@ import math
 import os
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 
@@ -142,44 +144,61 @@ def collective_figures(ranks: int, timeout_s: float = 120.0,
                            for kib in sizes_kib])
 
 
+HOST_MODES = ("plain", "tp", "fsdp")
+"""How the narrow models of the host-time calibration are laid out: alone on each rank, tensor
+parallel with sequence parallel over all ranks, FSDP2 per layer over all ranks."""
+
+
 def _layer_host_rank(rank: int, world_size: int, repeats: int) -> dict:
-    """Seconds per layer of forward + backward for a model too narrow to compute anything,
-    plain (each rank alone) and tensor-parallel with sequence parallel over all ranks."""
+    """Per layer, for each of ``HOST_MODES``: seconds of a forward + backward and of an AdamW
+    step, for 3- and 1-layer models too narrow to compute anything (the difference, halved)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
     from densetrain.models.config import ModelConfig
     from densetrain.models.transformer import Transformer
+    from densetrain.parallel.fsdp import apply_fsdp
     from densetrain.parallel.tensor import apply_tensor_parallel
 
     mesh = init_device_mesh("cpu", (world_size,))
     tokens = torch.randint(0, 64, (1, 8 * world_size))
+    # FSDP2 warns that the root returns a view (the logits); nothing here writes to it in place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     out = {}
-    for tp in (False, True):
-        step_s = {}
+    for mode in HOST_MODES:
+        seconds = {}
         for layers in (1, 3):
             torch.manual_seed(0)
             cfg = ModelConfig(vocab_size=64 * world_size, dim=16 * world_size, num_layers=layers,
                               num_heads=2 * world_size, num_kv_heads=world_size,
                               ffn_dim=32 * world_size, max_seq_len=tokens.shape[1])
             model = Transformer(cfg)
-            if tp:
+            if mode == "tp":
                 apply_tensor_parallel(model, mesh, sequence_parallel=True)
+            elif mode == "fsdp":
+                apply_fsdp(model, mesh)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-            def step(model=model):
+            def backward(model=model):
                 model(tokens).float().sum().backward()
 
-            step_s[layers] = _median_seconds(step, repeats=repeats)
-        out["tp" if tp else "plain"] = (step_s[3] - step_s[1]) / 2
+            def update(optimizer=optimizer):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=False)
+
+            seconds[layers] = (_median_seconds(backward, repeats=repeats),
+                               _median_seconds(update, repeats=repeats))
+        out[mode] = tuple((seconds[3][k] - seconds[1][k]) / 2 for k in (0, 1))
     return out
 
 
 def layer_host_seconds(ranks: int, alpha: float, timeout_s: float = 120.0,
-                       repeats: int = 7) -> tuple[float, float]:
-    """(plain, tensor-parallel) host seconds per layer and microbatch: the eager dispatch (and,
-    under tp, DTensor's) that a narrow model spends beyond its FLOPs. The tensor-parallel
-    figure leaves out the fixed cost of the 4 collectives per layer the planner already counts
-    (``alpha`` each, from ``collective_figures``)."""
+                       repeats: int = 7) -> dict[str, tuple[float, float]]:
+    """Host seconds per layer for each of ``HOST_MODES``: (per microbatch's forward + backward,
+    per optimizer step), the eager dispatch (and DTensor's, and FSDP2's hooks and copies) a
+    narrow model spends beyond its FLOPs. The fixed cost of the collectives the planner
+    already counts per layer and microbatch (``alpha`` each, from ``collective_figures``: 4
+    under tp, 3 under FSDP) is left out."""
     from densetrain.testing import run_distributed
 
     try:
@@ -187,9 +206,9 @@ def layer_host_seconds(ranks: int, alpha: float, timeout_s: float = 120.0,
     except Exception as e:  # a rank that fails or hangs: say why, no partial entry
         raise RuntimeError(f"host-overhead calibration on {ranks} local gloo ranks failed: "
                            f"{e}") from e
-    plain = statistics.median(r["plain"] for r in results)
-    tp = max(r["tp"] for r in results) - 4 * alpha
-    return max(plain, 0.0), max(tp, 0.0)
+    counted = {"plain": 0, "tp": 4, "fsdp": 3}
+    return {mode: (max(max(r[mode][0] for r in results) - counted[mode] * alpha, 0.0),
+                   max(max(r[mode][1] for r in results), 0.0)) for mode in HOST_MODES}
 
 
 def calibrate(path: str | Path, *, ranks: int = 2, name: str = "this-machine",
@@ -201,7 +220,7 @@ def calibrate(path: str | Path, *, ranks: int = 2, name: str = "this-machine",
     rate, half = fit_gemm_curve(gemm_sweep())
     bandwidth, alpha = collective_figures(ranks, timeout_s)
     latency = alpha / (2 * math.ceil(math.log2(ranks)))  # the planner's 2 log2(n) steps a call
-    layer_host, tp_layer_host = layer_host_seconds(ranks, alpha, timeout_s)
+    host = layer_host_seconds(ranks, alpha, timeout_s)
     total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     entry = {
         "peak_tflops": rate / 1e12, "gemm_efficiency": 1.0, "gemm_half_dim": half,
@@ -209,8 +228,12 @@ def calibrate(path: str | Path, *, ranks: int = 2, name: str = "this-machine",
         "memory_gb": total_memory / ranks / 1e9, "hbm_tb_s": memory_bandwidth() / 1e12,
         "devices_per_node": ranks, "intra_node_gb_s": bandwidth / 1e9,
         "inter_node_gb_s": bandwidth / 1e9, "intra_node_latency_us": latency * 1e6,
-        "inter_node_latency_us": latency * 1e6, "layer_host_us": layer_host * 1e6,
-        "tp_layer_host_us": tp_layer_host * 1e6,
+        "inter_node_latency_us": latency * 1e6,
+        "layer_host_us": host["plain"][0] * 1e6, "tp_layer_host_us": host["tp"][0] * 1e6,
+        "fsdp_layer_host_us": host["fsdp"][0] * 1e6,
+        "optimizer_layer_host_us": host["plain"][1] * 1e6,
+        "tp_optimizer_layer_host_us": host["tp"][1] * 1e6,
+        "fsdp_optimizer_layer_host_us": host["fsdp"][1] * 1e6,
         "description": f"measured: {ranks} local processes, gloo, float32, "
                        f"{torch.get_num_threads()} threads each",
     }

@@ -20,8 +20,9 @@ Custom entries are read from a TOML or JSON file with one table per cluster::
     attention_efficiency = 0.4 # share of peak of fused attention (forward + backward)
     collective_efficiency = 0.8   # optional: large-payload bus bandwidth / link bandwidth
     collective_half_mb = 12       # optional: payload at which a collective reaches half of that
-    layer_host_us = 0             # optional: host time per layer and microbatch (CPU dispatch)
-    tp_layer_host_us = 0          # optional: the same under tensor parallelism
+    layer_host_us = 0             # optional: host time per layer and microbatch (CPU dispatch);
+                                  # also tp_/fsdp_layer_host_us, and optimizer_layer_host_us,
+                                  # tp_/fsdp_optimizer_layer_host_us per layer and step
 
 ``densetrain plan --calibrate`` measures these on the machine it runs on and writes such a file.
 """
@@ -40,6 +41,11 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10 reads JSON cluster
 
 GB = 1e9
 """Decimal gigabyte, the unit of accelerator data sheets and of the ZeRO paper's figures."""
+
+
+HOST_FIELDS = ("layer_host_s", "tp_layer_host_s", "fsdp_layer_host_s", "optimizer_layer_host_s",
+               "tp_optimizer_layer_host_s", "fsdp_optimizer_layer_host_s")
+"""Host-time fields of a ``ClusterSpec`` (files give them in microseconds, ``*_us``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,7 +84,15 @@ class ClusterSpec:
     """Host time per layer and microbatch (forward + backward) beyond the device's work: eager
     dispatch on a CPU, where it adds to the step. 0 on GPUs, whose host runs ahead."""
     tp_layer_host_s: float = 0.0
-    """The same with tensor parallelism (DTensor's dispatch), replacing ``layer_host_s``."""
+    """The same with tensor parallelism (DTensor's dispatch); 0: as ``layer_host_s``."""
+    fsdp_layer_host_s: float = 0.0
+    """The same with FSDP2 (ZeRO-3: its hooks and copies); 0: as ``layer_host_s``."""
+    optimizer_layer_host_s: float = 0.0
+    """Host time of the optimizer step per layer of the stage (per step, not per microbatch)."""
+    tp_optimizer_layer_host_s: float = 0.0
+    """The same with tensor-parallel (DTensor) parameters; 0: as ``optimizer_layer_host_s``."""
+    fsdp_optimizer_layer_host_s: float = 0.0
+    """The same with FSDP2's (DTensor) parameters; 0: as ``optimizer_layer_host_s``."""
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -111,8 +125,7 @@ class ClusterSpec:
         for name in ("gemm_efficiency", "attention_efficiency"):
             if getattr(self, name) > 1:
                 raise ValueError(f"cluster {self.name!r}: {name} must be <= 1 (a share of peak)")
-        for name in ("intra_node_latency_s", "inter_node_latency_s", "layer_host_s",
-                     "tp_layer_host_s"):
+        for name in ("intra_node_latency_s", "inter_node_latency_s", *HOST_FIELDS):
             if getattr(self, name) < 0:
                 raise ValueError(f"cluster {self.name!r}: {name} must be >= 0")
 
@@ -200,8 +213,7 @@ _FILE_FIELDS = {
     "inter_node_latency_us": ("inter_node_latency_s", 1e-6),
     "collective_efficiency": ("collective_efficiency", 1),
     "collective_half_mb": ("collective_half_bytes", 2**20),
-    "layer_host_us": ("layer_host_s", 1e-6),
-    "tp_layer_host_us": ("tp_layer_host_s", 1e-6),
+    **{f"{name[:-2]}_us": (name, 1e-6) for name in HOST_FIELDS},
     "description": ("description", None),
 }
 _REQUIRED = ("peak_tflops", "memory_gb", "hbm_tb_s", "devices_per_node", "intra_node_gb_s",

@@ -16,9 +16,10 @@
   weight gradients fills (T_F + T_B - T_W) of each (T_F + T_B + T_W) slot, a third with equal
   thirds); ZB-V none once m >= 2p - 1 (Qi et al. 2023 sec. 4), else ZB-H1's.
 - Optimizer step: HBM traffic of the locally updated parameters.
-- Host time: ``ClusterSpec.layer_host_s`` (``tp_layer_host_s`` under tensor parallelism) per
-  layer and microbatch of the busiest stage, a third more with full recompute (its forward
-  again); measured by ``plan --calibrate`` on CPUs, 0 on GPUs.
+- Host time: ``ClusterSpec.layer_host_s`` per layer and microbatch of the busiest stage (plus
+  what tensor parallelism and FSDP add, ``tp_``/``fsdp_layer_host_s``), a third more with
+  full recompute (its forward again), and ``optimizer_layer_host_s`` (likewise) per layer and
+  step; measured by ``plan --calibrate`` on CPUs, 0 on GPUs.
 """
 
 from __future__ import annotations
@@ -69,9 +70,19 @@ def time_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layout
 
 def host_seconds(cols: LayoutColumns, mem: dict[str, np.ndarray], cluster: ClusterSpec):
     """Host time per step on the busiest device (see the module docstring)."""
-    per_layer = np.where(cols.tp > 1, cluster.tp_layer_host_s, cluster.layer_host_s)
+    tp, fsdp = cols.tp > 1, (cols.zero_stage == 3) & (cols.dp_shard > 1)
+
+    def per_layer(plain: float, with_tp: float, with_fsdp: float):
+        extra_tp = (with_tp or plain) - plain
+        extra_fsdp = (with_fsdp or plain) - plain
+        return plain + tp * extra_tp + fsdp * extra_fsdp
+
+    c = cluster
+    backward = per_layer(c.layer_host_s, c.tp_layer_host_s, c.fsdp_layer_host_s)
+    update = per_layer(c.optimizer_layer_host_s, c.tp_optimizer_layer_host_s,
+                       c.fsdp_optimizer_layer_host_s)
     recompute = np.where(cols.activation_checkpointing == AC_POLICIES.index("full"), 4 / 3, 1.0)
-    return mem["microbatches"] * mem["stage_layers"] * per_layer * recompute
+    return mem["stage_layers"] * (mem["microbatches"] * backward * recompute + update)
 
 
 def bubble_share(schedule, pp, virtual_stages, microbatches):

@@ -140,18 +140,24 @@ def test_bubble_and_mfu_follow_their_definitions():
 def test_host_time_per_layer_and_microbatch():
     from densetrain.planner.hardware import with_overrides
 
-    cluster = with_overrides(get_cluster("h100"), layer_host_s=1e-3, tp_layer_host_s=5e-3)
+    cluster = with_overrides(get_cluster("h100"), layer_host_s=1e-3, tp_layer_host_s=5e-3,
+                             fsdp_layer_host_s=2e-3, optimizer_layer_host_s=1e-4,
+                             tp_optimizer_layer_host_s=4e-4, fsdp_optimizer_layer_host_s=3e-4)
     cfg = get_preset("llama3-8b")
-    plain = evaluate_layout(cfg, 4096, 16, Layout(micro_batch_size=2), cluster, PlanSettings())
-    tp = evaluate_layout(cfg, 4096, 16, Layout(tp=2, micro_batch_size=2), cluster,
-                         PlanSettings())
-    full = evaluate_layout(cfg, 4096, 16, Layout(micro_batch_size=2,
-                                                 activation_checkpointing="full"),
-                           cluster, PlanSettings())
-    # 8 microbatches x 32 layers x the per-layer figure; full recompute runs the forward again.
-    assert plain["host_s"] == pytest.approx(8 * 32 * 1e-3)
-    assert tp["host_s"] == pytest.approx(8 * 32 * 5e-3)
-    assert full["host_s"] == pytest.approx(8 * 32 * 1e-3 * 4 / 3)
+
+    def host(**layout):
+        return evaluate_layout(cfg, 4096, 16, Layout(micro_batch_size=2, **layout), cluster,
+                               PlanSettings())["host_s"]
+
+    # 32 layers x (8 microbatches x the per-layer figure + the optimizer's per-layer figure).
+    assert host() == pytest.approx(32 * (8 * 1e-3 + 1e-4))
+    assert host(tp=2) == pytest.approx(32 * (8 * 5e-3 + 4e-4))
+    # FSDP over 2: 4 microbatches per rank; with tp as well, both extras add up.
+    assert host(dp_shard=2, zero_stage=3) == pytest.approx(32 * (4 * 2e-3 + 3e-4))
+    assert host(tp=2, dp_shard=2, zero_stage=3) == pytest.approx(
+        32 * (4 * (1e-3 + 4e-3 + 1e-3) + (1e-4 + 3e-4 + 2e-4)))
+    # Full recompute runs the forward again (a third of the forward + backward).
+    assert host(activation_checkpointing="full") == pytest.approx(32 * (8 * 1e-3 * 4 / 3 + 1e-4))
 
 
 def test_bad_layouts_are_rejected_with_the_field_named():
