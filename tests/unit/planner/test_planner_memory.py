@@ -125,9 +125,10 @@ def test_memory_columns_vectorised_matches_rows():
     assert np.all(together["total"] > 0)
 
 
-def _saved_bytes_per_layer(base: dict, seq: int, batch: int) -> float:
-    """Bytes autograd saves per decoder layer in a bf16 forward of the real ``Transformer``
-    (the difference between a 4- and a 2-layer model, halved; parameters not counted)."""
+def saved_bytes_per_layer(base: dict, seq: int, batch: int, dtype: str = "bfloat16") -> float:
+    """Bytes autograd saves per decoder layer in a forward (in ``dtype``) of the real
+    ``Transformer`` (the difference between a 4- and a 2-layer model, halved; storages
+    counted once, parameters not counted)."""
     import torch
 
     from densetrain.models import Transformer
@@ -136,7 +137,7 @@ def _saved_bytes_per_layer(base: dict, seq: int, batch: int) -> float:
     for layers in (2, 4):
         model = Transformer(ModelConfig(num_layers=layers, **base))
         model.init_weights(seed=0)
-        model = model.to(torch.bfloat16)
+        model = model.to(getattr(torch, dtype))
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         storages: dict[int, int] = {}
 
@@ -161,7 +162,7 @@ def test_activation_model_matches_what_autograd_saves():
     base = dict(vocab_size=512, dim=256, num_heads=4, num_kv_heads=2, ffn_dim=512,
                 activation="swiglu", norm_type="layernorm")
     seq, batch = 256, 2
-    measured = _saved_bytes_per_layer(base, seq, batch)
+    measured = saved_bytes_per_layer(base, seq, batch)
     predicted = float(layer_activation_bytes(
         ModelConfig(num_layers=2, **base), seq_len=seq, micro_batch=batch, tp=1,
         sequence_parallel=False, policy=NONE, flash_attention=True, dropout=False))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_planner_memory import saved_bytes_per_layer
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -31,27 +32,8 @@ BASE = dict(vocab_size=512, dim=256, num_heads=4, ffn_dim=512, activation="swigl
 
 
 def _saved_bytes_per_layer(fields: dict, seq: int, batch: int) -> float:
-    """Bytes autograd saves per decoder layer in an fp32 forward of the real ``Transformer``
-    (a 4- minus a 2-layer model, halved; storages counted once, parameters not counted)."""
-    totals = []
-    for layers in (2, 4):
-        model = Transformer(ModelConfig(num_layers=layers, **fields))
-        model.init_weights(seed=0)
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        storages: dict[int, int] = {}
-
-        def pack(t, params=params, storages=storages):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params:
-                storages[ptr] = t.untyped_storage().nbytes()
-            return t
-
-        tokens = torch.randint(0, fields["vocab_size"], (batch, seq),
-                               generator=torch.Generator().manual_seed(0))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model.forward_hidden(tokens)
-        totals.append(sum(storages.values()))
-    return (totals[1] - totals[0]) / 2
+    """Bytes autograd saves per decoder layer in an fp32 forward of the real ``Transformer``."""
+    return saved_bytes_per_layer(fields, seq, batch, dtype="float32")
 
 
 def _predicted(cfg: ModelConfig, seq: int, batch: int, flash: bool = False) -> float:
