@@ -18,7 +18,9 @@ float8 training reports), with model TFLOP/s beside it.
 
 Each row also gives the time to the first step (build, compile and the first step) and the
 planner's memory prediction for the same layout (`densetrain.planner.evaluate_layout` on the
-cluster entry of the GPU, e.g. ``h200-141gb``) against ``torch.cuda.max_memory_allocated``.
+cluster entry of the GPU, e.g. ``h200-141gb``) against ``torch.cuda.max_memory_allocated``, and
+its step-time prediction against the measured median step (bf16 rows: the GPU rows of
+docs/planner.md's predicted-vs-measured table).
 
 Usage: ``python benchmarks/gpu.py [--sizes 1b,3b,8b] [--dtypes bf16,float8] [--seq 4096]
 [--steps 8] [--json FILE]``; ``--smoke`` runs shrunken models on CPU to check the script.
@@ -71,9 +73,10 @@ def _fast_init(model: torch.nn.Module, std: float) -> None:
             param.normal_(0.0, std)
 
 
-def planner_memory_gib(cfg, seq: int, micro: int, ac: str, device_name: str) -> float | None:
-    """The planner's peak-memory prediction for one GPU running this benchmark's layout (fp32
-    master weights, bf16 activations), or None when no cluster entry matches the GPU."""
+def planner_prediction(cfg, seq: int, micro: int, ac: str, device_name: str
+                       ) -> tuple[float, float] | None:
+    """The planner's (peak memory GiB, step seconds) for one GPU running this benchmark's
+    layout (fp32 master weights, bf16 activations), or None when no cluster entry matches."""
     from densetrain.planner import Layout, PlanSettings, evaluate_layout, get_cluster
 
     name = next((key for gpu, key in (("H200", "h200-141gb"), ("H100", "h100-80gb"),
@@ -83,7 +86,7 @@ def planner_memory_gib(cfg, seq: int, micro: int, ac: str, device_name: str) -> 
     layout = Layout(micro_batch_size=micro, activation_checkpointing=ac)
     settings = PlanSettings(precision="fp32", activation_bytes=2)
     row = evaluate_layout(cfg, seq, micro, layout, get_cluster(name), settings)
-    return row["mem_total"] / 2**30
+    return row["mem_total"] / 2**30, float(row["step_s"])
 
 
 def run_child(size: str, seq: int, steps: int, warmup: int, smoke: bool,
@@ -146,12 +149,14 @@ def run_child(size: str, seq: int, steps: int, warmup: int, smoke: bool,
     flops_per_token = flops_per_token_palm(cfg, seq)
     peak, source = device_peak_flops(device, "bf16")
     device_name = "cpu" if smoke else torch.cuda.get_device_name(device)
-    predicted = (planner_memory_gib(cfg, seq, micro, ac, device_name)
+    predicted = (planner_prediction(cfg, seq, micro, ac, device_name)
                  if master_fp32 and not smoke else None)
     return {
         "size": size, "dtype": dtype, "params_b": params / 1e9, "seq": seq,
         "micro_batch": micro, "time_to_first_step_s": first_step_s,
-        "planner_mem_gib": predicted,
+        "planner_mem_gib": predicted[0] if predicted else None,
+        # the planner models bf16 compute; a float8 step has no prediction
+        "planner_step_s": predicted[1] if predicted and dtype == "bf16" else None,
         "activation_checkpointing": ac, "weights": "fp32-master" if master_fp32 else "bf16",
         "median_step_s": step_s, "tokens_per_s": tokens_per_s,
         "tflops_per_s": tokens_per_s * flops_per_token / 1e12,
@@ -202,16 +207,19 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     print("\n| size | dtype | params | weights | AC | seq × micro | tokens/s | TFLOP/s | MFU | "
-          "peak mem | planner mem | first step |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "peak mem | planner mem | step s | planner step s | first step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         planned = r["planner_mem_gib"]
         planned = "-" if planned is None else (
             f"{planned:.1f} GiB ({planned / max(r['peak_mem_gib'], 1e-9) - 1:+.0%})")
+        step = r.get("planner_step_s")
+        step = "-" if step is None else f"{step:.3f} ({step / r['median_step_s'] - 1:+.0%})"
         print(f"| {r['size']} | {r['dtype']} | {r['params_b']:.2f}B | {r['weights']} | "
               f"{r['activation_checkpointing']} | {r['seq']} × {r['micro_batch']} | "
               f"{r['tokens_per_s']:,.0f} | {r['tflops_per_s']:.0f} | {100 * r['mfu']:.1f}% | "
-              f"{r['peak_mem_gib']:.1f} GiB | {planned} | {r['time_to_first_step_s']:.0f} s |")
+              f"{r['peak_mem_gib']:.1f} GiB | {planned} | {r['median_step_s']:.3f} | {step} | "
+              f"{r['time_to_first_step_s']:.0f} s |")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=2)
