@@ -134,6 +134,12 @@ def relative_projection_flops(cfg: ModelConfig, seq_len: int) -> float:
     return float(2 * cfg.num_layers * seq_len * cfg.dim * cfg.q_dim)
 
 
+def relative_projection_flops_per_token(cfg: ModelConfig, seq_len: int, micro_batch):
+    """``relative_projection_flops`` spread over a microbatch's ``micro_batch`` x ``seq_len``
+    tokens (forward only; ``micro_batch`` may be an array of microbatch sizes)."""
+    return relative_projection_flops(cfg, seq_len) / (micro_batch * seq_len)
+
+
 def flops_per_token_palm(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token as PaLM's MFU definition: 6N + 12·L·H·Q·T.
 
@@ -164,7 +170,7 @@ def flops_per_token_executed(cfg: ModelConfig, seq_len: int, micro_batch: int) -
     counter, counting matmuls only, does not see: tests/unit/models/test_sizing_relative.py)."""
     if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch <= 0:
         raise ValueError(f"micro_batch must be a positive integer, got {micro_batch!r}")
-    projection = 2 * relative_projection_flops(cfg, seq_len) / (micro_batch * seq_len)
+    projection = 2 * relative_projection_flops_per_token(cfg, seq_len, micro_batch)
     return flops_per_token_palm(cfg, seq_len) + projection
 
 

@@ -58,16 +58,20 @@ def gemm_sweep(sides=(64, 128, 256, 512, 768, 1024), dtype_name: str = "float32"
     return out
 
 
+def _line_fit(points) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through [(x, y)]."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum(
+        (x - mean_x) ** 2 for x, _ in points)
+    return slope, mean_y - slope * mean_x
+
+
 def fit_gemm_curve(sweep) -> tuple[float, float]:
-    """(asymptotic rate R, half-rate size h) of r(s) = R s / (s + h) by least squares on
-    1/r = 1/R + (h/R)(1/s) (GEMM sides, or collective payloads)."""
-    xs = [1.0 / s for s, _ in sweep]
-    ys = [1.0 / r for _, r in sweep]
-    n = len(xs)
-    mean_x, mean_y = sum(xs) / n, sum(ys) / n
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
-        (x - mean_x) ** 2 for x in xs)
-    intercept = mean_y - slope * mean_x
+    """(asymptotic rate R, half-rate side h) of r(s) = R s / (s + h) by least squares on
+    1/r = 1/R + (h/R)(1/s)."""
+    slope, intercept = _line_fit([(1.0 / s, 1.0 / r) for s, r in sweep])
     if intercept <= 0:  # the rate still rises at the largest side: take the best measured one
         best = max(r for _, r in sweep)
         return best, max(slope * best, 1.0)
@@ -116,14 +120,10 @@ def _collective_rank(rank: int, world_size: int, sizes_kib: tuple[int, ...]) -> 
 def fit_alpha_beta(points) -> tuple[float, float]:
     """(bandwidth B, fixed cost alpha) of time = alpha + bytes / B by least squares over
     [(bytes, seconds)] (Hockney's model of a message)."""
-    n = len(points)
-    mean_x = sum(x for x, _ in points) / n
-    mean_y = sum(y for _, y in points) / n
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum(
-        (x - mean_x) ** 2 for x, _ in points)
+    slope, intercept = _line_fit(points)
     if slope <= 0:
         raise RuntimeError(f"collective times do not grow with the payload: {points}")
-    return 1.0 / slope, max(mean_y - slope * mean_x, 0.0)
+    return 1.0 / slope, max(intercept, 0.0)
 
 
 def collective_figures(ranks: int, timeout_s: float = 120.0,
@@ -197,8 +197,10 @@ def layer_host_seconds(ranks: int, alpha: float, timeout_s: float = 120.0,
     """Host seconds per layer for each of ``HOST_MODES``: (per microbatch's forward + backward,
     per optimizer step), the eager dispatch (and DTensor's, and FSDP2's hooks and copies) a
     narrow model spends beyond its FLOPs. The fixed cost of the collectives the planner
-    already counts per layer and microbatch (``alpha`` each, from ``collective_figures``: 4
-    under tp, 3 under FSDP) is left out."""
+    already counts per layer and microbatch (``alpha`` each, from ``collective_figures``;
+    ``comm.TP_CALLS_PER_LAYER`` under tp, ``comm.FSDP_CALLS_PER_LAYER`` under FSDP) is left
+    out."""
+    from densetrain.planner.comm import FSDP_CALLS_PER_LAYER, TP_CALLS_PER_LAYER
     from densetrain.testing import run_distributed
 
     try:
@@ -206,7 +208,7 @@ def layer_host_seconds(ranks: int, alpha: float, timeout_s: float = 120.0,
     except Exception as e:  # a rank that fails or hangs: say why, no partial entry
         raise RuntimeError(f"host-overhead calibration on {ranks} local gloo ranks failed: "
                            f"{e}") from e
-    counted = {"plain": 0, "tp": 4, "fsdp": 3}
+    counted = {"plain": 0, "tp": TP_CALLS_PER_LAYER, "fsdp": FSDP_CALLS_PER_LAYER}
     return {mode: (max(max(r[mode][0] for r in results) - counted[mode] * alpha, 0.0),
                    max(max(r[mode][1] for r in results), 0.0)) for mode in HOST_MODES}
 

@@ -30,6 +30,12 @@ from densetrain.planner.hardware import ClusterSpec
 from densetrain.planner.layout import AC_POLICIES, LayoutColumns, PlanSettings
 
 _FULL = AC_POLICIES.index("full")
+TP_CALLS_PER_LAYER = 4
+"""Tensor-parallel collectives per layer and microbatch: two in the forward, two in the
+backward (full recompute repeats the forward's two)."""
+FSDP_CALLS_PER_LAYER = 3
+"""FSDP collectives per layer and microbatch: an all-gather in the forward and in the backward,
+a reduce-scatter of the gradients."""
 
 
 def ring_factor(n, kind: str):
@@ -64,7 +70,7 @@ def comm_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, settings: 
     act = cols.micro_batch_size * (seq_len / cp) * cfg.dim * e  # one b·s·h activation
     out = {}
 
-    per_layer = np.where(cols.activation_checkpointing == _FULL, 6.0, 4.0)
+    per_layer = TP_CALLS_PER_LAYER + np.where(cols.activation_checkpointing == _FULL, 2.0, 0.0)
     n_tp = (layers * per_layer + 2.0) * m * (tp > 1)
     bw, lat = link(cluster, tp, act)
     out["tp_bytes"] = n_tp * ring_factor(tp, "all_reduce") * act
@@ -98,11 +104,11 @@ def _dp_comm(cols: LayoutColumns, mem: dict[str, np.ndarray], cluster: ClusterSp
     stage = cols.zero_stage
     shard, rep = cols.dp_shard.astype(np.float64), cols.dp_replicate.astype(np.float64)
     dp = shard * rep
-    unit = psi / np.maximum(layers, 1.0)
+    calls = np.maximum(layers, 1.0)  # one collective per layer's share, each with its latency
+    unit = psi / calls
     bw_shard, lat_shard = link(cluster, inner * shard, unit * gather_bytes)
     bw_rep, lat_rep = link(cluster, inner * shard * rep, unit / shard * g_bytes)
     bw_all, lat_all = link(cluster, inner * dp, unit * g_bytes)
-    calls = np.maximum(layers, 1.0)  # one collective per layer's share, each with its latency
     lat_steps = lambda n: calls * 2 * np.ceil(np.log2(np.maximum(n, 2)))  # noqa: E731
     # stage 0: one all-reduce of all gradients over dp.
     ar_bytes = ring_factor(dp, "all_reduce") * psi * g_bytes * (stage == 0)

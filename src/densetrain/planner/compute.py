@@ -75,8 +75,8 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy, flash_atte
     if cfg.position_embedding == "relative_xl":
         position = 2.0 * cfg.num_layers * seq_len * cfg.q_dim
         if micro_batch is not None:
-            tokens = np.asarray(micro_batch, dtype=np.float64) * seq_len
-            position = position + sizing.relative_projection_flops(cfg, seq_len) / tokens
+            position = position + sizing.relative_projection_flops_per_token(
+                cfg, seq_len, np.asarray(micro_batch, dtype=np.float64))
     if early_stop and early_stop_skips_down(cfg):
         block_matmuls -= 2.0 * cfg.num_layers * cfg.dim * cfg.ffn_dim
     selective = 0.0 if flash_attention else core
@@ -91,7 +91,7 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, policy, flash_atten
     ``policy`` and ``micro_batch`` arrays)."""
     sizing = sizing_module()
     micro_batch = np.asarray(micro_batch, dtype=np.float64)
-    projection = 2.0 * sizing.relative_projection_flops(cfg, seq_len) / (micro_batch * seq_len)
+    projection = 2.0 * sizing.relative_projection_flops_per_token(cfg, seq_len, micro_batch)
     executed = sizing.flops_per_token_palm(cfg, seq_len) + projection
     return executed + recompute_flops_per_token(cfg, seq_len, policy, flash_attention,
                                                 micro_batch=micro_batch, early_stop=early_stop)

@@ -56,16 +56,14 @@ def gemm_seconds(m, n, k, cluster: ClusterSpec, bytes_per_element: int = 2,
 
 
 def _layer_gemms(cfg: ModelConfig, tokens, tp, cluster: ClusterSpec, eff):
+    """(all of a layer's GEMMs, the MLP's down projection among them) forward seconds."""
     kv_local = cfg.kv_dim / np.where(cfg.num_kv_heads % tp == 0, tp, tp / cfg.num_kv_heads * 1.0)
     num_up = 2 if cfg.activation == "swiglu" else 1
     qkv = gemm_seconds(tokens, cfg.q_dim / tp + 2 * kv_local, cfg.dim, cluster, efficiency=eff)
     wo = gemm_seconds(tokens, cfg.dim, cfg.q_dim / tp, cluster, efficiency=eff)
     up = num_up * gemm_seconds(tokens, cfg.ffn_dim / tp, cfg.dim, cluster, efficiency=eff)
-    return qkv + wo + up + _down_gemm(cfg, tokens, tp, cluster, eff)
-
-
-def _down_gemm(cfg: ModelConfig, tokens, tp, cluster: ClusterSpec, eff):
-    return gemm_seconds(tokens, cfg.dim, cfg.ffn_dim / tp, cluster, efficiency=eff)
+    down = gemm_seconds(tokens, cfg.dim, cfg.ffn_dim / tp, cluster, efficiency=eff)
+    return qkv + wo + up + down, down
 
 
 def _attention_forward(cfg: ModelConfig, micro_batch, local_seq, seq_len, tp,
@@ -131,7 +129,7 @@ def compute_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, setting
     tokens = mbs * local_seq
     m = mem["microbatches"]
     eff = settings.compute_efficiency
-    gemm_f = _layer_gemms(cfg, tokens, tp, cluster, eff)
+    gemm_f, down_f = _layer_gemms(cfg, tokens, tp, cluster, eff)
     attn_f = _attention_forward(cfg, mbs, local_seq, seq_len, tp, cluster, settings, eff)
     rel_f, rel_b, rel_elem_f = _relative_position_seconds(cfg, mbs, local_seq, seq_len, tp,
                                                           cluster, settings, eff)
@@ -141,8 +139,7 @@ def compute_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, setting
                           efficiency=eff)
     loss = tokens * 12.0 * cfg.padded_vocab_size / tp / cluster.hbm_bytes_per_s
     policy = cols.activation_checkpointing
-    skipped = (_down_gemm(cfg, tokens, tp, cluster, eff)
-               if settings.checkpoint_early_stop and early_stop_skips_down(cfg) else 0.0)
+    skipped = down_f if settings.checkpoint_early_stop and early_stop_skips_down(cfg) else 0.0
     recompute = np.select(
         [policy == _FULL, policy == _SELECTIVE],
         [gemm_f - skipped + attn_f + elem_f + rel_f,

@@ -48,8 +48,9 @@ def time_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layout
     m = mem["microbatches"]
     per_mb = compute / m
     cp_exposed = np.maximum(0.0, comm["cp_s"] - parts["attention_s"])
-    dp_exposed = _dp_exposed(cols.zero_stage, m, per_mb if settings.dp_overlap else 0.0 * per_mb,
-                             comm)
+    # Without overlap there is no compute window to hide data-parallel traffic behind.
+    window = per_mb if settings.dp_overlap else np.zeros_like(per_mb)
+    dp_exposed = _dp_exposed(cols.zero_stage, m, window, comm)
     tp_exposed = comm["tp_s"] * (1.0 - settings.tp_overlap)
     bubble = bubble_share(cols.pp_schedule, cols.pp, cols.pp_virtual_stages, m) * (
         compute + tp_exposed + cp_exposed)
@@ -65,7 +66,7 @@ def time_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layout
             "optimizer_s": optimizer, "host_s": host, "step_s": step,
             "tokens_per_s": tokens_per_s, "mfu": mfu,
             "model_flops_per_step": np.full(len(cols), model_tok * tokens),
-            "hardware_flops_per_step": hardware_tok * tokens * np.ones(len(cols))}
+            "hardware_flops_per_step": hardware_tok * tokens}
 
 
 def host_seconds(cols: LayoutColumns, mem: dict[str, np.ndarray], cluster: ClusterSpec):
