@@ -218,6 +218,9 @@ def calibrate(path: str | Path, *, ranks: int = 2, name: str = "this-machine",
     """Measure this machine and write ``[clusters.<name>]`` to ``path`` atomically."""
     import torch
 
+    if ranks < 2:  # said before anything is measured
+        raise ValueError(f"--calibrate-ranks must be >= 2 to measure collectives, got {ranks}")
+
     torch.set_num_threads(max(1, (os.cpu_count() or ranks) // ranks))
     rate, half = fit_gemm_curve(gemm_sweep())
     bandwidth, alpha = collective_figures(ranks, timeout_s)
@@ -244,8 +247,12 @@ def calibrate(path: str | Path, *, ranks: int = 2, name: str = "this-machine",
     target = Path(path)
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, target)
     from densetrain.planner.hardware import load_cluster_file
 
-    load_cluster_file(target)  # the entry it wrote must be one the planner accepts
+    try:
+        load_cluster_file(tmp)  # the entry must be one the planner accepts before it is kept
+    except ValueError:
+        tmp.unlink()
+        raise
+    os.replace(tmp, target)
     return target, entry

@@ -20,6 +20,22 @@ def test_collectives_need_two_ranks():
         collective_figures(1)
 
 
+def test_cli_refuses_one_rank_before_measuring_and_writes_nothing(tmp_path, capsys):
+    from densetrain.cli.main import main
+
+    out = tmp_path / "machine.toml"
+    assert main(["plan", "--calibrate", str(out), "--calibrate-ranks", "1"]) != 0
+    err = capsys.readouterr().err
+    assert "--calibrate-ranks must be >= 2" in err and "Traceback" not in err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_collective_calibration_that_times_out_says_so():
+    # Real ranks, a real deadline too short for them to start: the failure is named.
+    with pytest.raises(RuntimeError, match="collective calibration on 2 local gloo ranks failed"):
+        collective_figures(2, timeout_s=0.5)
+
+
 def test_collective_figures_on_two_gloo_ranks():
     bandwidth, alpha = collective_figures(2, sizes_kib=(64, 1024, 8192))
     assert bandwidth > 0 and alpha >= 0
