@@ -136,9 +136,9 @@ def test_chunked_under_bf16_autocast_runs_its_matmuls_in_bf16():
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
 
 
-@pytest.mark.parametrize("autocast", [False, True])
-def test_compiled_chunk_kernel_equals_eager(autocast):
-    """The torch.compile'd per-chunk kernel gives the eager kernel's loss and gradients."""
+def test_compiled_chunk_kernel_equals_eager_under_autocast():
+    """With bf16 logits the torch.compile'd per-chunk kernel gives the eager kernel's loss and
+    gradients (fp32 logits always take the eager kernel)."""
     torch.manual_seed(3)
     vocab, width = 64, 16
     hidden = torch.randn(2, 24, width, requires_grad=True)
@@ -147,9 +147,60 @@ def test_compiled_chunk_kernel_equals_eager(autocast):
     targets[1, :5] = -100
     results = []
     for compiled in (False, True):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
             out = chunked_lm_loss(hidden, weight, targets, vocab_size=vocab, chunk_size=16,
                                   z_loss_coef=1e-3, compiled=compiled)
         results.append((out.loss, *torch.autograd.grad(out.loss, [hidden, weight])))
     for eager, fused in zip(*results, strict=True):
         torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_chunk_kernels_give_logsumexp_and_softmax(dtype):
+    """Each kernel's log Z, target logit and probabilities against torch's fp64 logsumexp and
+    softmax, including a row whose target probability underflows in fp32."""
+    from densetrain.models.loss import _softmax_and_lse, compiled_chunk_kernel
+
+    torch.manual_seed(5)
+    logits = (torch.randn(6, 300) * 4).to(dtype)
+    targets = torch.randint(0, 300, (6,))
+    logits[3] = 100.0
+    logits[3, targets[3]] = -100.0
+    exact = logits.double()
+    for kernel in (_softmax_and_lse, compiled_chunk_kernel()):
+        lse, logit_t, probs = kernel(logits, targets, True)
+        torch.testing.assert_close(lse.double(), exact.logsumexp(-1), rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(logit_t.double(), exact[torch.arange(6), targets])
+        tol = 1e-6 if dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(probs.double(), exact.softmax(-1), rtol=tol, atol=tol)
+        lse_eval, _, none = kernel(logits, targets, False)
+        assert none is None
+        torch.testing.assert_close(lse_eval, lse, rtol=1e-6, atol=1e-5)
+
+
+def test_chunked_loss_stays_exact_when_the_target_probability_underflows():
+    """A token whose target logit is ~200 below the others (a loss of ~200 nats, as in a
+    divergence): its fp32 softmax probability is 0, yet loss and gradients equal PyTorch's
+    log-softmax cross-entropy's on the full logits."""
+    torch.manual_seed(4)
+    vocab, width = 40, 8
+    hidden = torch.randn(1, 6, width)
+    weight = torch.randn(vocab, width)
+    targets = torch.randint(1, vocab, (1, 6))
+    hidden[0, 2] = 0.0
+    hidden[0, 2, 0] = 100.0
+    weight[:, 0] = 1.0
+    weight[targets[0, 2], 0] = -1.0  # target logit -100, every other logit +100 for token 2
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    reference = cross_entropy_loss(F.linear(hidden, weight), targets)
+    ref_grads = torch.autograd.grad(reference.loss, [hidden, weight])
+    assert reference.loss.item() > 30  # one token of six at ~200 nats
+    out = chunked_lm_loss(hidden, weight, targets, vocab_size=vocab, chunk_size=4)
+    grads = torch.autograd.grad(out.loss, [hidden, weight])
+    torch.testing.assert_close(out.loss, reference.loss, rtol=1e-6, atol=1e-5)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        evaluated = chunked_lm_loss(hidden, weight, targets, vocab_size=vocab, chunk_size=4)
+    torch.testing.assert_close(evaluated.loss, reference.loss, rtol=1e-6, atol=1e-5)
