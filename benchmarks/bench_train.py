@@ -8,7 +8,8 @@ its own child process, whose peak RSS is then its own. Both sides run the same a
 the same random token batches, fused AdamW (β2 0.95, weight decay 0.1) and clipping at 1.0:
 
 * densetrain: the model's ``forward`` with targets (the chunked output projection + loss), through
-  the trainer's own `train_step`; eager or ``torch.compile`` (per block), fp32 or bf16 autocast.
+  the trainer's own `train_step`; eager or ``torch.compile`` (per block), fp32 or bf16 autocast;
+  its fp32 CPU linears send short-reduction matmuls to oneDNN (`densetrain.models.linear`).
 * plain: ``plain_gpt.PlainGPT`` (GPT-2 shape only), a one-module GPT written the way the
   minimal single-file GPTs are: eager or ``torch.compile`` of the whole model, SDPA, the full
   logits + ``F.cross_entropy``, torch's default AdamW (no fused kernel), clipping at 1.0.

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from densetrain.models.config import ModelConfig
+from densetrain.models.linear import Linear
 from densetrain.models.norms import build_head_norm
 from densetrain.models.positions import alibi_bias, apply_rope
 from densetrain.models.relative import RelativePositionXL
@@ -132,10 +133,10 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.dropout = config.dropout
         qkv_bias = config.qkv_bias
-        self.wq = nn.Linear(config.dim, config.q_dim, bias=qkv_bias)
-        self.wk = nn.Linear(config.dim, config.kv_dim, bias=qkv_bias)
-        self.wv = nn.Linear(config.dim, config.kv_dim, bias=qkv_bias)
-        self.wo = nn.Linear(config.q_dim, config.dim, bias=config.attn_out_bias)
+        self.wq = Linear(config.dim, config.q_dim, bias=qkv_bias)
+        self.wk = Linear(config.dim, config.kv_dim, bias=qkv_bias)
+        self.wv = Linear(config.dim, config.kv_dim, bias=qkv_bias)
+        self.wo = Linear(config.q_dim, config.dim, bias=config.attn_out_bias)
         self.q_norm = build_head_norm(config) if config.qk_norm else None
         self.k_norm = build_head_norm(config) if config.qk_norm else None
         relative = config.position_embedding == "relative_xl"

@@ -17,6 +17,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from densetrain.models.linear import linear
+
 
 class LossOutput(NamedTuple):
     """``loss`` (ce_loss + z_loss, differentiable), its parts (detached) and the number of
@@ -57,38 +59,16 @@ def cross_entropy_loss(
     return LossOutput(loss, ce_loss.detach(), z_loss.detach(), num_tokens)
 
 
-def _softmax_and_lse(logits_CV: torch.Tensor, targets_C: torch.Tensor, needs_grad: bool):
+def _exact_softmax_and_lse(logits_CV: torch.Tensor, targets_C: torch.Tensor,
+                           needs_grad: bool):
     """log Z and the target's logit of every row in (at least) fp32 and, when ``needs_grad``,
-    softmax(logits) for the gradient matmuls (in the logits' dtype when that is at least fp32,
-    else fp32: the caller casts).
+    softmax(logits) in the logits' dtype, for the gradient matmuls.
 
-    Eager CPU/CUDA: one softmax kernel is the only pass over the [C, V] logits (a row is read
-    from memory once and worked in cache); log Z comes from the target column,
-    lse = logit_t − log p_t. Where p_t underflows (logit_t more than ~87 below log Z, i.e. a
-    loss beyond 87 nats) that row's log Z is recomputed exactly with ``logsumexp``, so the loss
-    stays right in a divergence. Without gradients, ``logsumexp`` alone is the pass.
-
-    Measured on 2 CPU cores, fp32 logits of 1,024 tokens × 50,304 classes: 45 ms against 102
-    ms for log-softmax + exp + scale (three passes over the logits).
+    An exact ``logsumexp``, then the probabilities exp(logit − log Z). Under inductor the max
+    and the sum of exp are fused in the row loops and the probabilities written in one more
+    loop, with no fp32 copy of low-precision logits in between; eager off the CPU it is two
+    kernels and no host sync.
     """
-    dtype = torch.promote_types(logits_CV.dtype, torch.float32)
-    logit_t_C = logits_CV.gather(1, targets_C.unsqueeze(1)).squeeze(1).to(dtype)
-    if not needs_grad:
-        return torch.logsumexp(logits_CV.to(dtype), dim=-1), logit_t_C, None
-    probs_CV = torch.softmax(logits_CV, dim=-1, dtype=dtype)
-    p_t_C = probs_CV.gather(1, targets_C.unsqueeze(1)).squeeze(1)
-    lse_C = logit_t_C - torch.log(p_t_C)
-    underflow_C = ~(p_t_C >= torch.finfo(dtype).tiny)  # also NaN rows: recomputed, stay NaN
-    if bool(underflow_C.any()):
-        lse_C[underflow_C] = torch.logsumexp(logits_CV[underflow_C].to(dtype), dim=-1)
-    return lse_C, logit_t_C, probs_CV
-
-
-def _compiled_softmax_and_lse(logits_CV: torch.Tensor, targets_C: torch.Tensor,
-                              needs_grad: bool):
-    """``_softmax_and_lse`` for inductor: an exact logsumexp (max and sum of exp fused in the
-    row loops) and the probabilities written in the logits' dtype in one more loop, with no
-    fp32 copy of the logits in between."""
     dtype = torch.promote_types(logits_CV.dtype, torch.float32)
     logit_t_C = logits_CV.gather(1, targets_C.unsqueeze(1)).squeeze(1).to(dtype)
     lse_C = torch.logsumexp(logits_CV.to(dtype), dim=-1)
@@ -98,11 +78,38 @@ def _compiled_softmax_and_lse(logits_CV: torch.Tensor, targets_C: torch.Tensor,
     return lse_C, logit_t_C, probs_CV
 
 
+def _softmax_and_lse(logits_CV: torch.Tensor, targets_C: torch.Tensor, needs_grad: bool):
+    """The eager kernel: `_exact_softmax_and_lse`'s results (probabilities in fp32 for
+    low-precision logits: the caller casts).
+
+    On the CPU, one softmax kernel is the only pass over the [C, V] logits (a row is read from
+    memory once and worked in cache); log Z comes from the target column,
+    lse = logit_t − log p_t. Where p_t underflows (logit_t more than ~87 below log Z, i.e. a
+    loss beyond 87 nats) that row's log Z is recomputed exactly with ``logsumexp``, so the loss
+    stays right in a divergence; the check reads one flag per chunk, a host sync, so other
+    devices take `_exact_softmax_and_lse`. Without gradients ``logsumexp`` alone is the pass.
+
+    Measured on 2 CPU cores, fp32 logits of 1,024 tokens × 50,304 classes: 45 ms against 102
+    ms for log-softmax + exp + scale (three passes over the logits).
+    """
+    if logits_CV.device.type != "cpu" or not needs_grad:
+        return _exact_softmax_and_lse(logits_CV, targets_C, needs_grad)
+    dtype = torch.promote_types(logits_CV.dtype, torch.float32)
+    logit_t_C = logits_CV.gather(1, targets_C.unsqueeze(1)).squeeze(1).to(dtype)
+    probs_CV = torch.softmax(logits_CV, dim=-1, dtype=dtype)
+    p_t_C = probs_CV.gather(1, targets_C.unsqueeze(1)).squeeze(1)
+    lse_C = logit_t_C - torch.log(p_t_C)
+    underflow_C = ~(p_t_C >= torch.finfo(dtype).tiny)  # also NaN rows: recomputed, stay NaN
+    if bool(underflow_C.any()):
+        lse_C[underflow_C] = torch.logsumexp(logits_CV[underflow_C].to(dtype), dim=-1)
+    return lse_C, logit_t_C, probs_CV
+
+
 _COMPILED_KERNEL = None
 
 
 def compiled_chunk_kernel():
-    """``_compiled_softmax_and_lse`` through ``torch.compile`` (built once, on first use).
+    """``_exact_softmax_and_lse`` through ``torch.compile`` (built once, on first use).
 
     Used for low-precision logits only: the eager kernel reads them into an fp32 softmax that
     the caller casts back in a further pass, while inductor reads the bf16 logits in its row
@@ -111,7 +118,7 @@ def compiled_chunk_kernel():
     """
     global _COMPILED_KERNEL
     if _COMPILED_KERNEL is None:
-        _COMPILED_KERNEL = torch.compile(_compiled_softmax_and_lse, dynamic=False)
+        _COMPILED_KERNEL = torch.compile(_exact_softmax_and_lse, dynamic=False)
     return _COMPILED_KERNEL
 
 
@@ -209,7 +216,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 h_CE = hidden_NE[start : start + chunk_size].to(compute)
                 t_C = targets_N[start : start + chunk_size]
                 v_C = valid_N[start : start + chunk_size]
-                logits_CV = F.linear(h_CE, w_VE, b_V)
+                logits_CV = linear(h_CE, w_VE, b_V)
                 safe_t_C = torch.where(v_C, t_C, torch.zeros_like(t_C))
                 lse_C, logit_t_C, probs_CV = kernel(logits_CV, safe_t_C, needs_grad)
                 ce_sum += ((lse_C - logit_t_C) * v_C).sum()

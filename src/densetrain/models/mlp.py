@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from densetrain.models.config import ModelConfig
+from densetrain.models.linear import Linear
 
 
 class MLP(nn.Module):
@@ -19,13 +20,13 @@ class MLP(nn.Module):
         super().__init__()
         self.activation = config.activation
         bias = config.mlp_bias
-        self.w_up = nn.Linear(config.dim, config.ffn_dim, bias=bias)
+        self.w_up = Linear(config.dim, config.ffn_dim, bias=bias)
         self.w_gate = (
-            nn.Linear(config.dim, config.ffn_dim, bias=bias)
+            Linear(config.dim, config.ffn_dim, bias=bias)
             if config.activation == "swiglu"
             else None
         )
-        self.w_down = nn.Linear(config.ffn_dim, config.dim, bias=bias)
+        self.w_down = Linear(config.ffn_dim, config.dim, bias=bias)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         """Apply the feed-forward block to ``x_BSD``; returns [B, S, D]."""

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from densetrain.models.config import ModelConfig
+from densetrain.models.linear import Linear
 
 if TYPE_CHECKING:
     from densetrain.models.attention import AttentionMask
@@ -84,7 +85,7 @@ class RelativePositionXL(nn.Module):
         self.dim = config.dim
         self.num_heads = config.num_heads
         self.head_dim = config.head_dim
-        self.pos_proj = nn.Linear(config.dim, config.q_dim, bias=False)
+        self.pos_proj = Linear(config.dim, config.q_dim, bias=False)
         """W_R: sinusoids [dim] -> position keys of every query head [q_dim]."""
         self.content_bias = HeadBias(config.q_dim)
         """u: the query-independent bias of the content score u·k_j."""

@@ -21,6 +21,7 @@ from torch import nn
 
 from densetrain.models.attention import Attention, AttentionMask, build_attention_mask
 from densetrain.models.config import ModelConfig
+from densetrain.models.linear import Linear, linear
 from densetrain.models.loss import LossOutput, chunked_lm_loss, cross_entropy_loss
 from densetrain.models.mlp import MLP
 from densetrain.models.norms import build_norm
@@ -92,7 +93,7 @@ class Transformer(nn.Module):
         self.config = config
         self.tok_embeddings = nn.Embedding(config.padded_vocab_size, config.embed_dim)
         projected = config.embed_dim != config.dim
-        self.project_in = nn.Linear(config.embed_dim, config.dim, bias=False) if projected else None
+        self.project_in = Linear(config.embed_dim, config.dim, bias=False) if projected else None
         self.pos_embeddings = None
         if config.position_embedding == "learned":
             rows = config.max_seq_len + config.learned_pos_offset
@@ -103,7 +104,7 @@ class Transformer(nn.Module):
         )
         self.norm = build_norm(config) if config.final_norm else None
         self.project_out = (
-            nn.Linear(config.dim, config.embed_dim, bias=False) if projected else None
+            Linear(config.dim, config.embed_dim, bias=False) if projected else None
         )
         self.output: nn.Module | None
         if config.tie_embeddings:
@@ -247,7 +248,7 @@ class Transformer(nn.Module):
 
     def logits(self, hidden_BSE: torch.Tensor) -> torch.Tensor:
         """Logits [B, S, vocab_size] from ``forward_hidden`` output (padding rows sliced off)."""
-        logits_BSP = F.linear(hidden_BSE, self.output_weight(), self.output.bias)
+        logits_BSP = linear(hidden_BSE, self.output_weight(), self.output.bias)
         return logits_BSP[..., : self.config.vocab_size]
 
     def compute_loss(

@@ -1,7 +1,9 @@
 """Activation checkpointing of transformer blocks.
 
 - "full": each checkpointed block keeps only its input and recomputes everything in backward;
-  ``ac_every=k`` checkpoints every k-th block (a memory/compute dial).
+  ``ac_every=k`` checkpoints every k-th block (a memory/compute dial). Its blocks run aten
+  matmuls (`densetrain.models.linear.aten_matmuls`), so torch's early stop of the recompute
+  still skips the block's last matmul.
 - "selective": the block's matmul outputs (the expensive ops) are saved and the cheap
   element-wise ops (norms, activations, softmax inputs, RoPE) are recomputed — the spirit of
   Korthikanti et al. 2022 §4.3, expressed with torch's selective-checkpoint policy.
@@ -16,6 +18,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from densetrain.models.linear import aten_matmuls
+
 _SAVED_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
@@ -26,6 +30,8 @@ _SAVED_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
 }
+if hasattr(torch.ops.mkldnn, "_linear_pointwise"):  # densetrain.models.linear's CPU matmuls
+    _SAVED_OPS.add(torch.ops.mkldnn._linear_pointwise.default)
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -34,6 +40,10 @@ def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 def _selective_contexts():
     return create_selective_checkpoint_contexts(_keep_matmuls)
+
+
+def _full_contexts():
+    return aten_matmuls(), aten_matmuls()
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, *, every: int = 1) -> nn.Module:
@@ -52,7 +62,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, *, every: int = 
         if mode == "full" and position % every != 0:
             continue
         if mode == "full":
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=True)
+            wrapped = checkpoint_wrapper(block, context_fn=_full_contexts,
+                                         preserve_rng_state=True)
         else:
             wrapped = checkpoint_wrapper(
                 block, context_fn=partial(_selective_contexts), preserve_rng_state=True

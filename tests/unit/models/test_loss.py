@@ -159,7 +159,11 @@ def test_compiled_chunk_kernel_equals_eager_under_autocast():
 def test_both_chunk_kernels_give_logsumexp_and_softmax(dtype):
     """Each kernel's log Z, target logit and probabilities against torch's fp64 logsumexp and
     softmax, including a row whose target probability underflows in fp32."""
-    from densetrain.models.loss import _softmax_and_lse, compiled_chunk_kernel
+    from densetrain.models.loss import (
+        _exact_softmax_and_lse,
+        _softmax_and_lse,
+        compiled_chunk_kernel,
+    )
 
     torch.manual_seed(5)
     logits = (torch.randn(6, 300) * 4).to(dtype)
@@ -167,7 +171,7 @@ def test_both_chunk_kernels_give_logsumexp_and_softmax(dtype):
     logits[3] = 100.0
     logits[3, targets[3]] = -100.0
     exact = logits.double()
-    for kernel in (_softmax_and_lse, compiled_chunk_kernel()):
+    for kernel in (_softmax_and_lse, _exact_softmax_and_lse, compiled_chunk_kernel()):
         lse, logit_t, probs = kernel(logits, targets, True)
         torch.testing.assert_close(lse.double(), exact.logsumexp(-1), rtol=1e-6, atol=1e-5)
         torch.testing.assert_close(logit_t.double(), exact[torch.arange(6), targets])
@@ -204,3 +208,19 @@ def test_chunked_loss_stays_exact_when_the_target_probability_underflows():
     with torch.no_grad():
         evaluated = chunked_lm_loss(hidden, weight, targets, vocab_size=vocab, chunk_size=4)
     torch.testing.assert_close(evaluated.loss, reference.loss, rtol=1e-6, atol=1e-5)
+
+
+def test_the_chunk_kernel_reads_no_value_off_the_cpu(monkeypatch):
+    """Off the CPU (here the meta device, which has no values at all) the eager kernel takes
+    the exact logsumexp path: no tensor is turned into a Python value, i.e. no host sync."""
+    from densetrain.models.loss import _softmax_and_lse
+
+    logits = torch.empty(4, 50, device="meta")
+    targets = torch.zeros(4, dtype=torch.long, device="meta")
+    for name in ("__bool__", "item", "__int__", "__float__"):
+        def refuse(self, *args, _name=name, **kwargs):
+            raise AssertionError(f"Tensor.{_name} called: a host sync")
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    lse, logit_t, probs = _softmax_and_lse(logits, targets, True)
+    monkeypatch.undo()
+    assert lse.shape == (4,) and logit_t.shape == (4,) and probs.shape == (4, 50)

@@ -114,7 +114,8 @@ def test_the_step_makes_exactly_one_host_sync(monkeypatch) -> None:
     """Every place densetrain's own code turns a tensor into a Python value (on a GPU a host
     sync) during a step of a real model with micro-batches, the chunked head and clipping: one,
     the finiteness check. Calls from torch's own code (the optimizer's CPU step counters) are
-    not densetrain's and are not counted."""
+    not densetrain's and are not counted; nor is the chunked loss's CPU-only underflow check
+    (`test_the_chunk_kernel_reads_no_value_off_the_cpu` shows other devices skip it)."""
     import sys
 
     from densetrain.models import ModelConfig, Transformer
@@ -127,7 +128,10 @@ def test_the_step_makes_exactly_one_host_sync(monkeypatch) -> None:
 
         def wrapper(self, *args, **kwargs):
             caller = sys._getframe(1)
-            if "densetrain" in caller.f_code.co_filename.replace("\\", "/").split("/"):
+            cpu_only = caller.f_code.co_name == "_softmax_and_lse" and self.device.type == "cpu"
+            if "densetrain" in caller.f_code.co_filename.replace("\\", "/").split("/") and not (
+                cpu_only
+            ):
                 calls.append(f"{name} at {caller.f_code.co_filename}:{caller.f_lineno}")
             return original(self, *args, **kwargs)
 
