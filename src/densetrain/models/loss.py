@@ -190,7 +190,9 @@ class _ChunkedLMLoss(torch.autograd.Function):
         z_sum = torch.zeros((), dtype=torch.float32, device=hidden_NE.device)
         grad_hidden_NE = torch.empty_like(hidden_NE) if needs_grad else None
         accumulate = torch.promote_types(weight_VE.dtype, torch.float32)
-        grad_weight_VE = torch.zeros_like(weight_VE, dtype=accumulate) if needs_grad else None
+        # Written whole by the first chunk's matmul (no zero fill, and no read of it there).
+        new_grad = torch.empty_like if hidden_NE.shape[0] else torch.zeros_like
+        grad_weight_VE = new_grad(weight_VE, dtype=accumulate) if needs_grad else None
         grad_bias_V = (
             torch.zeros(weight_VE.shape[0], dtype=accumulate, device=hidden_NE.device)
             if needs_grad and bias_V is not None
@@ -234,9 +236,13 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 rows_CE.sub_(w_VE[safe_t_C].to(accumulate) * weight_C1)
                 grad_hidden_NE[start : start + chunk_size] = rows_CE
                 scaled_h_CE = (h_acc_CE * scale_C1).to(compute)
-                if compute == accumulate:
+                if compute == accumulate and start == 0:
+                    torch.mm(p_CV.t(), scaled_h_CE, out=grad_weight_VE)
+                elif compute == accumulate:
                     grad_weight_VE.addmm_(p_CV.t(), scaled_h_CE)
-                else:  # low-precision matmul, fp32 accumulation across chunks
+                elif start == 0:  # low-precision matmul, fp32 accumulation across chunks
+                    grad_weight_VE.copy_(p_CV.t() @ scaled_h_CE)
+                else:
                     grad_weight_VE.add_(p_CV.t() @ scaled_h_CE)
                 grad_weight_VE.index_add_(0, safe_t_C, h_acc_CE * -weight_C1)
                 if grad_bias_V is not None:
