@@ -61,6 +61,8 @@ def test_other_dtypes_autocast_compile_and_long_reductions_keep_f_linear():
     x, w = torch.randn(4, 16), torch.randn(8, 16)
     assert uses_onednn(x, w)
     assert not uses_onednn(x.double(), w.double())
+    assert not uses_onednn(x.to("meta"), w.to("meta"))  # any other device: CUDA's own GEMMs
+    assert Linear(16, 8, device="meta")(x.to("meta")).device.type == "meta"
     assert not uses_onednn(torch.randn(4, ONEDNN_MAX_REDUCTION + 1),
                            torch.randn(8, ONEDNN_MAX_REDUCTION + 1))
     with torch.autocast("cpu", dtype=torch.bfloat16):
