@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 ONEDNN_MAX_REDUCTION = 768
 """Largest reduction (inner) dimension sent to oneDNN; larger ones stay with MKL."""
@@ -121,6 +122,7 @@ class _OneDnnLinear(torch.autograd.Function):
         return _onednn_linear(x_2d, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
+    @once_differentiable  # the oneDNN op has no derivative: a second backward says so
     def backward(ctx, grad_out):
         x_2d, weight = ctx.saved_tensors
         grad_2d = grad_out.reshape(-1, weight.shape[0])
