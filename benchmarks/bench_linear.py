@@ -38,7 +38,7 @@ def _alternate(fns: dict, rounds: int) -> dict[str, list[float]]:
 
 def reduction_sweep(reductions: list[int], tokens: int, out: int, rounds: int) -> None:
     """Table of TFLOP/s for both libraries per reduction size."""
-    from densetrain.models.linear import aten_matmuls, linear, uses_onednn
+    from densetrain.models.linear import ONEDNN_LINEAR_OP, aten_matmuls, linear, uses_onednn
 
     print("| K | MKL TFLOP/s | oneDNN TFLOP/s | oneDNN / MKL | densetrain uses |")
     print("|---:|---:|---:|---:|---|")
@@ -51,7 +51,7 @@ def reduction_sweep(reductions: list[int], tokens: int, out: int, rounds: int) -
 
         def onednn(x=x, w=w):
             # the oneDNN call itself, whatever the threshold says
-            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+            ONEDNN_LINEAR_OP(x, w, None, "none", [], "")
 
         times = _alternate({"mkl": mkl, "onednn": onednn}, rounds)
         flops = 2 * tokens * k * out
@@ -75,20 +75,14 @@ def step_ab(rounds: int, warmup: int) -> None:
         with aten_matmuls():
             plain(batch)
 
-    sides = {"densetrain linears": fast, "all MKL": mkl}
-    times: dict[str, list[float]] = {k: [] for k in sides}
-    for index, batch in enumerate(bench_train._batches(spec, warmup + rounds)):
-        for name in (list(sides) if index % 2 == 0 else list(sides)[::-1]):
-            start = time.perf_counter()
-            sides[name](batch)
-            if index >= warmup:
-                times[name].append(time.perf_counter() - start)
+    times = bench_train.time_steppers({"densetrain linears": fast, "all MKL": mkl}, spec,
+                                      rounds, warmup)
     tokens = spec["batch"] * spec["seq"]
     for name, values in times.items():
         print(f"{name}: {tokens / statistics.median(values):,.0f} tokens/s")
-    ratio = [b / a for a, b in zip(times["densetrain linears"], times["all MKL"], strict=True)]
-    print(f"speed-up densetrain linears / all MKL: median {statistics.median(ratio):.3f} "
-          f"(min {min(ratio):.3f}, max {max(ratio):.3f}, {rounds} rounds)")
+    (row,) = bench_train.ratio_rows(times, [("densetrain linears", "all MKL")])
+    print(f"speed-up densetrain linears / all MKL: median {row['median']:.3f} "
+          f"(min {row['min']:.3f}, max {row['max']:.3f}, {rounds} rounds)")
 
 
 def main() -> None:
@@ -101,7 +95,9 @@ def main() -> None:
     parser.add_argument("--step-rounds", type=int, default=6, help="0 skips the step A/B")
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
-    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    from densetrain.models.linear import ONEDNN_LINEAR_OP
+
+    if ONEDNN_LINEAR_OP is None:
         raise SystemExit("this torch build has no oneDNN linear")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     reduction_sweep([int(k) for k in args.reductions.split(",")], args.tokens, args.out,

@@ -189,15 +189,20 @@ def time_alternating(variants: list[str], model_name: str, rounds: int,
     """Step seconds of each variant per timed round, all in this process, taking turns step by
     step (the order reversed every round)."""
     spec = MODELS[model_name]
-    steppers = {v: _stepper(v, spec) for v in variants}
-    times: dict[str, list[float]] = {v: [] for v in variants}
+    return time_steppers({v: _stepper(v, spec) for v in variants}, spec, rounds, warmup)
+
+
+def time_steppers(steppers: dict, spec: dict, rounds: int, warmup: int) -> dict[str, list[float]]:
+    """Step seconds per timed round of each ``steppers[name](batch)`` on ``spec``'s batches,
+    taking turns step by step (the order reversed every round)."""
+    names = list(steppers)
+    times: dict[str, list[float]] = {name: [] for name in names}
     for index, batch in enumerate(_batches(spec, warmup + rounds)):
-        order = variants if index % 2 == 0 else variants[::-1]
-        for variant in order:
+        for name in names if index % 2 == 0 else names[::-1]:
             start = time.perf_counter()
-            steppers[variant](batch)
+            steppers[name](batch)
             if index >= warmup:
-                times[variant].append(time.perf_counter() - start)
+                times[name].append(time.perf_counter() - start)
     return times
 
 

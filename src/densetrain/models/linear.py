@@ -31,7 +31,12 @@ from torch.autograd.function import once_differentiable
 ONEDNN_MAX_REDUCTION = 768
 """Largest reduction (inner) dimension sent to oneDNN; larger ones stay with MKL."""
 
-_ONEDNN = None
+ONEDNN_LINEAR_OP = (
+    getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if torch.backends.mkldnn.is_available() else None
+)
+"""oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``), or None in a build without it."""
+
 _LOCAL = threading.local()
 
 
@@ -56,11 +61,10 @@ def _register_flop_formula() -> None:
     matmuls), so FLOP counts of a model do not depend on which library ran its matmuls."""
     from torch.utils import flop_counter
 
-    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-    if op is None or op in flop_counter.flop_registry:
+    if ONEDNN_LINEAR_OP is None or ONEDNN_LINEAR_OP in flop_counter.flop_registry:
         return
 
-    @flop_counter.register_flop_formula(op)
+    @flop_counter.register_flop_formula(ONEDNN_LINEAR_OP)
     def _linear_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
         tokens = 1
         for size in x_shape[:-1]:
@@ -69,16 +73,6 @@ def _register_flop_formula() -> None:
 
 
 _register_flop_formula()
-
-
-def _onednn_available() -> bool:
-    global _ONEDNN
-    if _ONEDNN is None:
-        _ONEDNN = bool(
-            torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        )
-    return _ONEDNN
 
 
 def _plain_cpu_fp32(*tensors: torch.Tensor | None) -> bool:
@@ -97,15 +91,13 @@ def uses_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_compiling()
         and not getattr(_LOCAL, "depth", 0)
-        and _onednn_available()
+        and ONEDNN_LINEAR_OP is not None
     )
 
 
 def _onednn_linear(x_2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     # oneDNN reorders a non-contiguous weight on every call (slower than copying it once).
-    return torch.ops.mkldnn._linear_pointwise(
-        x_2d.contiguous(), weight.contiguous(), bias, "none", [], ""
-    )
+    return ONEDNN_LINEAR_OP(x_2d.contiguous(), weight.contiguous(), bias, "none", [], "")
 
 
 class _OneDnnLinear(torch.autograd.Function):
@@ -117,7 +109,6 @@ class _OneDnnLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         x_2d = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x_2d, weight)
-        ctx.has_bias = bias is not None
         ctx.x_shape = x.shape
         return _onednn_linear(x_2d, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
@@ -135,7 +126,7 @@ class _OneDnnLinear(torch.autograd.Function):
             grad_x = grad_x.view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_w = grad_2d.t() @ x_2d
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2]:  # False when there is no bias
             grad_b = grad_2d.sum(0)
         return grad_x, grad_w, grad_b
 

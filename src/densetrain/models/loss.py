@@ -59,6 +59,12 @@ def cross_entropy_loss(
     return LossOutput(loss, ce_loss.detach(), z_loss.detach(), num_tokens)
 
 
+def _target_logit(logits_CV: torch.Tensor, targets_C: torch.Tensor):
+    """The kernels' dtype (at least fp32) and each row's logit at its target, in it."""
+    dtype = torch.promote_types(logits_CV.dtype, torch.float32)
+    return dtype, logits_CV.gather(1, targets_C.unsqueeze(1)).squeeze(1).to(dtype)
+
+
 def _exact_softmax_and_lse(logits_CV: torch.Tensor, targets_C: torch.Tensor,
                            needs_grad: bool):
     """log Z and the target's logit of every row in (at least) fp32 and, when ``needs_grad``,
@@ -69,8 +75,7 @@ def _exact_softmax_and_lse(logits_CV: torch.Tensor, targets_C: torch.Tensor,
     loop, with no fp32 copy of low-precision logits in between; eager off the CPU it is two
     kernels and no host sync.
     """
-    dtype = torch.promote_types(logits_CV.dtype, torch.float32)
-    logit_t_C = logits_CV.gather(1, targets_C.unsqueeze(1)).squeeze(1).to(dtype)
+    dtype, logit_t_C = _target_logit(logits_CV, targets_C)
     lse_C = torch.logsumexp(logits_CV.to(dtype), dim=-1)
     if not needs_grad:
         return lse_C, logit_t_C, None
@@ -94,8 +99,7 @@ def _softmax_and_lse(logits_CV: torch.Tensor, targets_C: torch.Tensor, needs_gra
     """
     if logits_CV.device.type != "cpu" or not needs_grad:
         return _exact_softmax_and_lse(logits_CV, targets_C, needs_grad)
-    dtype = torch.promote_types(logits_CV.dtype, torch.float32)
-    logit_t_C = logits_CV.gather(1, targets_C.unsqueeze(1)).squeeze(1).to(dtype)
+    dtype, logit_t_C = _target_logit(logits_CV, targets_C)
     probs_CV = torch.softmax(logits_CV, dim=-1, dtype=dtype)
     p_t_C = probs_CV.gather(1, targets_C.unsqueeze(1)).squeeze(1)
     lse_C = logit_t_C - torch.log(p_t_C)
@@ -190,7 +194,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         z_sum = torch.zeros((), dtype=torch.float32, device=hidden_NE.device)
         grad_hidden_NE = torch.empty_like(hidden_NE) if needs_grad else None
         accumulate = torch.promote_types(weight_VE.dtype, torch.float32)
-        # Written whole by the first chunk's matmul (no zero fill, and no read of it there).
+        # Written whole by the first chunk's matmul (no zero fill, no read of it there).
         new_grad = torch.empty_like if hidden_NE.shape[0] else torch.zeros_like
         grad_weight_VE = new_grad(weight_VE, dtype=accumulate) if needs_grad else None
         grad_bias_V = (
@@ -236,14 +240,12 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 rows_CE.sub_(w_VE[safe_t_C].to(accumulate) * weight_C1)
                 grad_hidden_NE[start : start + chunk_size] = rows_CE
                 scaled_h_CE = (h_acc_CE * scale_C1).to(compute)
-                if compute == accumulate and start == 0:
-                    torch.mm(p_CV.t(), scaled_h_CE, out=grad_weight_VE)
-                elif compute == accumulate:
-                    grad_weight_VE.addmm_(p_CV.t(), scaled_h_CE)
-                elif start == 0:  # low-precision matmul, fp32 accumulation across chunks
-                    grad_weight_VE.copy_(p_CV.t() @ scaled_h_CE)
-                else:
-                    grad_weight_VE.add_(p_CV.t() @ scaled_h_CE)
+                first = start == 0  # beta 0 / copy: the empty accumulator is never read
+                if compute == accumulate:
+                    grad_weight_VE.addmm_(p_CV.t(), scaled_h_CE, beta=0.0 if first else 1.0)
+                else:  # low-precision matmul, fp32 accumulation across chunks
+                    part_VE = p_CV.t() @ scaled_h_CE
+                    (grad_weight_VE.copy_ if first else grad_weight_VE.add_)(part_VE)
                 grad_weight_VE.index_add_(0, safe_t_C, h_acc_CE * -weight_C1)
                 if grad_bias_V is not None:
                     grad_bias_V += (p_CV.t() @ scale_C1.to(compute)).squeeze(1).to(accumulate)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from densetrain.models.linear import aten_matmuls
+from densetrain.models.linear import ONEDNN_LINEAR_OP, aten_matmuls
 
 _SAVED_OPS = {
     torch.ops.aten.mm.default,
@@ -30,8 +30,8 @@ _SAVED_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
 }
-if hasattr(torch.ops.mkldnn, "_linear_pointwise"):  # densetrain.models.linear's CPU matmuls
-    _SAVED_OPS.add(torch.ops.mkldnn._linear_pointwise.default)
+if ONEDNN_LINEAR_OP is not None:  # densetrain.models.linear's CPU matmuls
+    _SAVED_OPS.add(ONEDNN_LINEAR_OP.default)
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
