@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -171,15 +173,39 @@ def test_both_chunk_kernels_give_logsumexp_and_softmax(dtype):
     logits[3] = 100.0
     logits[3, targets[3]] = -100.0
     exact = logits.double()
-    for kernel in (_softmax_and_lse, _exact_softmax_and_lse, compiled_chunk_kernel()):
-        lse, logit_t, probs = kernel(logits, targets, True)
-        torch.testing.assert_close(lse.double(), exact.logsumexp(-1), rtol=1e-6, atol=1e-5)
-        torch.testing.assert_close(logit_t.double(), exact[torch.arange(6), targets])
+    rebuilt = []
+
+    def row_logits(rows):  # what the chunked loss passes: those rows' logits, recomputed
+        rebuilt.append(int(rows.sum()))
+        return logits[rows]
+
+    kernels = {
+        "eager": _softmax_and_lse,
+        "eager, over the logits": functools.partial(_softmax_and_lse, row_logits=row_logits),
+        "exact": _exact_softmax_and_lse,
+        "compiled": compiled_chunk_kernel(),
+    }
+    for name, kernel in kernels.items():
+        given = logits.clone()
+        lse, logit_t, probs = kernel(given, targets, True)
+        torch.testing.assert_close(lse.double(), exact.logsumexp(-1), rtol=1e-6, atol=1e-5,
+                                   msg=name)
+        torch.testing.assert_close(logit_t.double(), exact[torch.arange(6), targets], msg=name)
         tol = 1e-6 if dtype == torch.float32 else 8e-3
-        torch.testing.assert_close(probs.double(), exact.softmax(-1), rtol=tol, atol=tol)
-        lse_eval, _, none = kernel(logits, targets, False)
+        torch.testing.assert_close(probs.double(), exact.softmax(-1), rtol=tol, atol=tol,
+                                   msg=name)
+        # fp32 logits are overwritten by the probabilities where the kernel may rebuild rows
+        # (eager with row_logits) or never needs them again (exact, compiled or not);
+        # otherwise left alone.
+        overwrites = dtype == torch.float32 and name != "eager"
+        assert (probs.data_ptr() == given.data_ptr()) == overwrites, name
+        if not overwrites:
+            assert torch.equal(given, logits), name
+        lse_eval, _, none = kernel(logits.clone(), targets, False)
         assert none is None
         torch.testing.assert_close(lse_eval, lse, rtol=1e-6, atol=1e-5)
+    # the underflowing row 3, and only it, was rebuilt (fp32: the only overwriting call)
+    assert rebuilt == ([1] if dtype == torch.float32 else [])
 
 
 def test_chunked_loss_stays_exact_when_the_target_probability_underflows():
