@@ -77,13 +77,13 @@ def _exact_softmax_and_lse(logits_CV: torch.Tensor, targets_C: torch.Tensor,
     kernels and no host sync.
     """
     dtype, logit_t_C = _target_logit(logits_CV, targets_C)
-    lse_C = torch.logsumexp(logits_CV.to(dtype), dim=-1)
+    work_CV = logits_CV.to(dtype)  # fp32 logits themselves, else one fp32 copy
+    lse_C = torch.logsumexp(work_CV, dim=-1)
     if not needs_grad:
         return lse_C, logit_t_C, None
-    if logits_CV.dtype == dtype:  # written over the logits: one [C, V] buffer, not two
-        return lse_C, logit_t_C, logits_CV.sub_(lse_C.unsqueeze(1)).exp_()
-    probs_CV = (logits_CV.to(dtype) - lse_C.unsqueeze(1)).exp().to(logits_CV.dtype)
-    return lse_C, logit_t_C, probs_CV
+    # exp(logit − log Z) written over the (fp32) work buffer: no further [C, V] temporaries
+    probs_CV = work_CV.sub_(lse_C.unsqueeze(1)).exp_()
+    return lse_C, logit_t_C, probs_CV.to(logits_CV.dtype)
 
 
 def _softmax_and_lse(logits_CV: torch.Tensor, targets_C: torch.Tensor, needs_grad: bool,
@@ -92,9 +92,10 @@ def _softmax_and_lse(logits_CV: torch.Tensor, targets_C: torch.Tensor, needs_gra
     low-precision logits: the caller casts).
 
     ``row_logits(mask)``, when given, rebuilds the logits of the rows that the boolean
-    ``mask`` selects; fp32 logits are then overwritten by their softmax (one [C, V] buffer per
-    chunk instead of two: 206 MB less at 1,024 × 50,304), and an underflowing row's log Z is
-    computed from its rebuilt logits. Without it the logits are left as they are.
+    ``mask`` selects; the softmax is then written over fp32 logits (or over one fp32 copy of
+    low-precision ones), so a chunk holds one [C, V] fp32 buffer instead of two (206 MB less
+    at 1,024 × 50,304), and an underflowing row's log Z is computed from its rebuilt logits.
+    Without it the logits are left as they are.
 
     On the CPU, one softmax kernel is the only pass over the [C, V] logits (a row is read from
     memory once and worked in cache); log Z comes from the target column,
@@ -110,8 +111,9 @@ def _softmax_and_lse(logits_CV: torch.Tensor, targets_C: torch.Tensor, needs_gra
         return _exact_softmax_and_lse(logits_CV, targets_C, needs_grad)
     dtype, logit_t_C = _target_logit(logits_CV, targets_C)
     underflow_logits = None
-    if row_logits is not None and logits_CV.dtype == dtype:  # overwritten: rows rebuildable
-        probs_CV = torch.softmax(logits_CV, dim=-1, out=logits_CV)
+    if row_logits is not None:  # overwritten: the rows can be rebuilt
+        work_CV = logits_CV.to(dtype)
+        probs_CV = torch.softmax(work_CV, dim=-1, out=work_CV)
     else:
         probs_CV = torch.softmax(logits_CV, dim=-1, dtype=dtype)
         underflow_logits = logits_CV
@@ -260,6 +262,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 weight_C1 = (v_C.to(accumulate) / denominator).unsqueeze(1)
                 scale_C1 = weight_C1 * (1 + 2 * z_loss_coef * lse_C.to(accumulate).unsqueeze(1))
                 p_CV = probs_CV.to(compute)
+                del probs_CV  # an fp32 softmax of low-precision logits: freed once cast
                 h_acc_CE = h_CE.to(accumulate)
                 rows_CE = (p_CV @ w_VE).to(accumulate).mul_(scale_C1)
                 rows_CE.sub_(w_VE[safe_t_C].to(accumulate) * weight_C1)
@@ -275,7 +278,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 if grad_bias_V is not None:
                     grad_bias_V += (p_CV.t() @ scale_C1.to(compute)).squeeze(1).to(accumulate)
                     grad_bias_V.index_add_(0, safe_t_C, -weight_C1.squeeze(1))
-                del probs_CV, p_CV  # freed before the next chunk's logits are allocated
+                del p_CV  # freed before the next chunk's logits are allocated
         ce_loss = ce_sum / denominator
         z_loss = z_loss_coef * z_sum / denominator
         if needs_grad:

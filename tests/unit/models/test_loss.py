@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import functools
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from densetrain.models.loss import chunked_lm_loss, cross_entropy_loss
 
@@ -204,8 +207,9 @@ def test_both_chunk_kernels_give_logsumexp_and_softmax(dtype):
         lse_eval, _, none = kernel(logits.clone(), targets, False)
         assert none is None
         torch.testing.assert_close(lse_eval, lse, rtol=1e-6, atol=1e-5)
-    # the underflowing row 3, and only it, was rebuilt (fp32: the only overwriting call)
-    assert rebuilt == ([1] if dtype == torch.float32 else [])
+    # with row_logits the softmax never keeps the logits (fp32: overwritten; bf16: softmax
+    # of an fp32 copy), so the underflowing row 3, and only it, was rebuilt
+    assert rebuilt == [1]
 
 
 def test_chunked_loss_stays_exact_when_the_target_probability_underflows():
@@ -250,3 +254,41 @@ def test_the_chunk_kernel_reads_no_value_off_the_cpu(monkeypatch):
     lse, logit_t, probs = _softmax_and_lse(logits, targets, True)
     monkeypatch.undo()
     assert lse.shape == (4,) and logit_t.shape == (4,) and probs.shape == (4, 50)
+
+
+class _LiveBuffers(TorchDispatchMode):
+    """Counts the tensor storages of at least ``nbytes`` alive at once (each op's outputs are
+    registered; a storage leaves the count when it is freed)."""
+
+    def __init__(self, nbytes: int):
+        super().__init__()
+        self.nbytes, self.alive, self.peak = nbytes, set(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in pytree.tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            if storage.nbytes() >= self.nbytes and storage.data_ptr() not in self.alive:
+                self.alive.add(storage.data_ptr())
+                weakref.finalize(storage, self.alive.discard, storage.data_ptr())
+                self.peak = max(self.peak, len(self.alive))
+        return out
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_chunked_loss_holds_one_chunk_of_probabilities_at_a_time(autocast):
+    """However many chunks, at most one [C, V] buffer of the logits' size is alive at a time in
+    fp32 (the softmax overwrites the logits), two under bf16 autocast (the bf16 logits or
+    probabilities beside the fp32 softmax); every other tensor here is smaller than a chunk."""
+    torch.manual_seed(0)
+    chunk, vocab, width = 64, 1000, 8
+    hidden = torch.randn(1, 3 * chunk, width, requires_grad=True)
+    weight = torch.randn(vocab, width, requires_grad=True)
+    targets = torch.randint(0, vocab, (1, 3 * chunk))
+    itemsize = 2 if autocast else 4
+    live = _LiveBuffers(chunk * vocab * itemsize)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), live:
+        chunked_lm_loss(hidden, weight, targets, vocab_size=vocab, chunk_size=chunk)
+    assert live.peak == (2 if autocast else 1)
