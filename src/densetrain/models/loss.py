@@ -175,18 +175,19 @@ def chunked_lm_loss(
             f"vocab_size must be in [1, {output_weight_PE.shape[0]}] (rows of the output "
             f"weight), got {vocab_size}"
         )
-    weight_VE = output_weight_PE[:vocab_size]
-    bias_V = output_bias_P[:vocab_size] if output_bias_P is not None else None
     hidden_NE = hidden_BSE.reshape(-1, hidden_BSE.shape[-1])
     targets_N = targets_BS.reshape(-1)
     needs_grad = torch.is_grad_enabled() and (
         hidden_NE.requires_grad
-        or weight_VE.requires_grad
-        or (bias_V is not None and bias_V.requires_grad)
+        or output_weight_PE.requires_grad
+        or (output_bias_P is not None and output_bias_P.requires_grad)
     )
+    # The whole [P, E] weight goes in, not its [:vocab_size] rows: a slice would add autograd's
+    # slice backward, a zero-filled [P, E] gradient and a copy into it (for a tied 50k × 384
+    # embedding, 18 ms of a 3.5 s CPU step); the function writes the padding rows' zeros.
     loss, ce_loss, z_loss, num_tokens = _ChunkedLMLoss.apply(
-        hidden_NE, weight_VE, bias_V, targets_N, chunk_size, ignore_index, z_loss_coef, needs_grad,
-        compiled,
+        hidden_NE, output_weight_PE, output_bias_P, targets_N, vocab_size, chunk_size,
+        ignore_index, z_loss_coef, needs_grad, compiled,
     )
     return LossOutput(loss, ce_loss.detach(), z_loss.detach(), num_tokens)
 
@@ -198,30 +199,36 @@ class _ChunkedLMLoss(torch.autograd.Function):
     def forward(
         ctx,
         hidden_NE,
-        weight_VE,
-        bias_V,
+        weight_PE,
+        bias_P,
         targets_N,
+        vocab_size,
         chunk_size,
         ignore_index,
         z_loss_coef,
         needs_grad,
         compiled,
     ):
+        weight_VE = weight_PE[:vocab_size]
+        bias_V = bias_P[:vocab_size] if bias_P is not None else None
         valid_N = targets_N != ignore_index
         num_tokens = valid_N.sum()
         denominator = num_tokens.clamp(min=1).float()
         ce_sum = torch.zeros((), dtype=torch.float32, device=hidden_NE.device)
         z_sum = torch.zeros((), dtype=torch.float32, device=hidden_NE.device)
         grad_hidden_NE = torch.empty_like(hidden_NE) if needs_grad else None
-        accumulate = torch.promote_types(weight_VE.dtype, torch.float32)
-        # Written whole by the first chunk's matmul (no zero fill, no read of it there).
-        new_grad = torch.empty_like if hidden_NE.shape[0] else torch.zeros_like
-        grad_weight_VE = new_grad(weight_VE, dtype=accumulate) if needs_grad else None
-        grad_bias_V = (
-            torch.zeros(weight_VE.shape[0], dtype=accumulate, device=hidden_NE.device)
-            if needs_grad and bias_V is not None
-            else None
-        )
+        accumulate = torch.promote_types(weight_PE.dtype, torch.float32)
+        grad_weight_PE = grad_bias_P = grad_weight_VE = grad_bias_V = None
+        if needs_grad:
+            # The vocab rows are written whole by the first chunk's matmul (no zero fill, no
+            # read of them there); padding rows get zeros.
+            new_grad = torch.empty_like if hidden_NE.shape[0] else torch.zeros_like
+            grad_weight_PE = new_grad(weight_PE, dtype=accumulate)
+            grad_weight_PE[vocab_size:].zero_()
+            grad_weight_VE = grad_weight_PE[:vocab_size]
+            if bias_P is not None:
+                grad_bias_P = torch.zeros_like(bias_P, dtype=accumulate)
+                grad_bias_V = grad_bias_P[:vocab_size]
         # The matmuls run in one compute dtype: the autocast dtype when autocast is on (bf16
         # on CPU/CUDA), else the hidden states' dtype. Autocast itself is switched off here:
         # it would re-cast the (non-leaf, so uncached) weight for every chunk and every
@@ -282,18 +289,18 @@ class _ChunkedLMLoss(torch.autograd.Function):
         ce_loss = ce_sum / denominator
         z_loss = z_loss_coef * z_sum / denominator
         if needs_grad:
-            ctx.save_for_backward(grad_hidden_NE, grad_weight_VE, grad_bias_V)
-            ctx.weight_dtype = weight_VE.dtype
+            ctx.save_for_backward(grad_hidden_NE, grad_weight_PE, grad_bias_P)
+            ctx.weight_dtype = weight_PE.dtype
         ce_out, z_out = ce_loss.clone(), z_loss.clone()
         ctx.mark_non_differentiable(ce_out, z_out, num_tokens)
         return ce_loss + z_loss, ce_out, z_out, num_tokens
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_ce, _grad_z, _grad_num):
-        grad_hidden_NE, grad_weight_VE, grad_bias_V = ctx.saved_tensors
+        grad_hidden_NE, grad_weight_PE, grad_bias_P = ctx.saved_tensors
         grad_hidden = grad_hidden_NE * grad_loss.to(grad_hidden_NE.dtype)
-        grad_weight = (grad_weight_VE * grad_loss).to(ctx.weight_dtype)
+        grad_weight = (grad_weight_PE * grad_loss).to(ctx.weight_dtype)
         grad_bias = None
-        if grad_bias_V is not None:
-            grad_bias = (grad_bias_V * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        if grad_bias_P is not None:
+            grad_bias = (grad_bias_P * grad_loss).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
