@@ -1,0 +1,23 @@
+"""The job the planner emits trains the output head that the planner's memory model counted."""
+
+from __future__ import annotations
+
+from densetrain.config import load_job_config
+from densetrain.models.config import ModelConfig
+from densetrain.planner.emit import plan_job
+from densetrain.planner.hardware import get_cluster
+from densetrain.planner.layout import PlanSettings
+from densetrain.planner.search import search
+
+
+def test_the_emitted_job_runs_the_chunked_output_head_the_plan_assumed():
+    """The plan's memory (``PlanSettings.chunked_loss``, the default) holds no [tokens, V]
+    logits, so the job it emits must train with the chunked head (``loss_chunk_size`` > 0),
+    as the embedded default job does; with full logits its peak would exceed the plan."""
+    assert PlanSettings().chunked_loss
+    cfg = ModelConfig(vocab_size=512, dim=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                      ffn_dim=128, max_seq_len=64)
+    result = search(cfg, seq_len=32, global_batch=16, devices=2, cluster=get_cluster("h100"))
+    job = plan_job(result.cfg, result.layout(0), seq_len=32, global_batch=16)
+    assert job.training.loss_chunk_size > 0
+    assert load_job_config(None).training.loss_chunk_size > 0
