@@ -17,27 +17,16 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def _alternate(fns: dict, rounds: int) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():
-        fn()
-    for index in range(rounds):
-        for name in (list(fns) if index % 2 == 0 else list(fns)[::-1]):
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
 def reduction_sweep(reductions: list[int], tokens: int, out: int, rounds: int) -> None:
     """Table of TFLOP/s for both libraries per reduction size."""
+    from bench_train import alternate
+
     from densetrain.models.linear import ONEDNN_LINEAR_OP, aten_matmuls, linear, uses_onednn
 
     print("| K | MKL TFLOP/s | oneDNN TFLOP/s | oneDNN / MKL | densetrain uses |")
@@ -45,15 +34,15 @@ def reduction_sweep(reductions: list[int], tokens: int, out: int, rounds: int) -
     for k in reductions:
         x, w = torch.randn(tokens, k), torch.randn(out, k)
 
-        def mkl(x=x, w=w):
+        def mkl(_round, x=x, w=w):
             with aten_matmuls():
                 linear(x, w)
 
-        def onednn(x=x, w=w):
+        def onednn(_round, x=x, w=w):
             # the oneDNN call itself, whatever the threshold says
             ONEDNN_LINEAR_OP(x, w, None, "none", [], "")
 
-        times = _alternate({"mkl": mkl, "onednn": onednn}, rounds)
+        times = alternate({"mkl": mkl, "onednn": onednn}, rounds, warmup=1)
         flops = 2 * tokens * k * out
         t_mkl, t_dnn = statistics.median(times["mkl"]), statistics.median(times["onednn"])
         used = "oneDNN" if uses_onednn(x, w) else "MKL"

@@ -195,12 +195,21 @@ def time_alternating(variants: list[str], model_name: str, rounds: int,
 def time_steppers(steppers: dict, spec: dict, rounds: int, warmup: int) -> dict[str, list[float]]:
     """Step seconds per timed round of each ``steppers[name](batch)`` on ``spec``'s batches,
     taking turns step by step (the order reversed every round)."""
-    names = list(steppers)
+    batches = list(_batches(spec, warmup + rounds))
+    calls = {name: (lambda index, step=step: step(batches[index]))
+             for name, step in steppers.items()}
+    return alternate(calls, rounds, warmup)
+
+
+def alternate(calls: dict, rounds: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds per timed round of each ``calls[name](round_index)``, all taking turns round by
+    round (the order reversed every round); the first ``warmup`` rounds are not timed."""
+    names = list(calls)
     times: dict[str, list[float]] = {name: [] for name in names}
-    for index, batch in enumerate(_batches(spec, warmup + rounds)):
+    for index in range(warmup + rounds):
         for name in names if index % 2 == 0 else names[::-1]:
             start = time.perf_counter()
-            steppers[name](batch)
+            calls[name](index)
             if index >= warmup:
                 times[name].append(time.perf_counter() - start)
     return times

@@ -71,46 +71,35 @@ def test_batches_reach_the_gpu_through_pinned_memory():
     assert moved.inputs.is_cuda and torch.equal(moved.inputs.cpu(), batch.inputs)
 
 
-def _chunked_against_full_logits(device: str, autocast: bool, compiled: bool):
-    """The chunked loss and its gradients on ``device`` against the cross-entropy of the full
-    logits computed in fp64, and the bytes its forward allocated beyond what was there (CUDA
-    only, else None)."""
-    import torch.nn.functional as F
-
-    from densetrain.models.loss import chunked_lm_loss, cross_entropy_loss
-
-    gen = torch.Generator().manual_seed(0)
-    tokens, width, vocab, chunk = 2048, 64, 32000, 256
-    hidden = torch.randn(1, tokens, width, generator=gen).to(device).requires_grad_()
-    weight = (torch.randn(vocab, width, generator=gen) * 0.05).to(device).requires_grad_()
-    targets = torch.randint(0, vocab, (1, tokens), generator=gen).to(device)
-    reference = cross_entropy_loss(F.linear(hidden.double(), weight.double()), targets)
-    want = torch.autograd.grad(reference.loss, [hidden, weight])
-    cuda = device.startswith("cuda")
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=autocast):
-        out = chunked_lm_loss(hidden, weight, targets, vocab_size=vocab, chunk_size=chunk,
-                              compiled=compiled)
-    grown = torch.cuda.max_memory_allocated() - before if cuda else None
-    got = torch.autograd.grad(out.loss, [hidden, weight])
-    tol = 2e-2 if autocast else 1e-5
-    torch.testing.assert_close(out.loss, reference.loss, rtol=tol, atol=tol)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=tol, atol=tol * w.abs().max().item())
-    return grown, chunk * vocab * 4, weight.numel() * 4
-
-
 @pytest.mark.parametrize(("autocast", "compiled"), [(False, False), (True, False), (True, True)])
 def test_chunked_loss_on_the_gpu_equals_full_logits_and_holds_about_one_chunk(autocast, compiled):
     """On the GPU the chunked loss takes the exact kernel (logsumexp, then the exponential in
     place; inductor's under bf16 + compile): its loss and gradients equal the fp64 full-logits
     cross-entropy, and its forward holds one chunk's buffers at a time, never the full [N, V]
-    logits (8 chunks here): at most the fp32 probabilities, logsumexp's temporary and the
-    bf16 logits (2.5 fp32 chunks) beside the
-    weight gradient and the bf16 weight."""
+    logits (8 chunks here): at most the fp32 probabilities, logsumexp's temporary and the bf16
+    logits (2.5 fp32 chunks) beside the weight gradient and the bf16 weight."""
+    import torch.nn.functional as F
+
+    from densetrain.models.loss import chunked_lm_loss, cross_entropy_loss
+
     torch.backends.cuda.matmul.allow_tf32 = False
-    grown, chunk_bytes, weight_bytes = _chunked_against_full_logits("cuda", autocast, compiled)
-    assert grown < 3 * chunk_bytes + 2 * weight_bytes, (grown, chunk_bytes)
+    gen = torch.Generator().manual_seed(0)
+    tokens, width, vocab, chunk = 2048, 64, 32000, 256
+    hidden = torch.randn(1, tokens, width, generator=gen).cuda().requires_grad_()
+    weight = (torch.randn(vocab, width, generator=gen) * 0.05).cuda().requires_grad_()
+    targets = torch.randint(0, vocab, (1, tokens), generator=gen).cuda()
+    reference = cross_entropy_loss(F.linear(hidden.double(), weight.double()), targets)
+    want = torch.autograd.grad(reference.loss, [hidden, weight])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        out = chunked_lm_loss(hidden, weight, targets, vocab_size=vocab, chunk_size=chunk,
+                              compiled=compiled)
+    grown = torch.cuda.max_memory_allocated() - before
+    got = torch.autograd.grad(out.loss, [hidden, weight])
+    tol = 2e-2 if autocast else 1e-5
+    torch.testing.assert_close(out.loss, reference.loss, rtol=tol, atol=tol)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol * w.abs().max().item())
+    assert grown < 3 * (chunk * vocab * 4) + 2 * (weight.numel() * 4), grown

@@ -87,15 +87,14 @@ def _exact_softmax_and_lse(logits_CV: torch.Tensor, targets_C: torch.Tensor,
 
 
 def _softmax_and_lse(logits_CV: torch.Tensor, targets_C: torch.Tensor, needs_grad: bool,
-                     row_logits: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                     row_logits: Callable[[torch.Tensor], torch.Tensor]):
     """The eager kernel: `_exact_softmax_and_lse`'s results (probabilities in fp32 for
     low-precision logits: the caller casts).
 
-    ``row_logits(mask)``, when given, rebuilds the logits of the rows that the boolean
-    ``mask`` selects; the softmax is then written over fp32 logits (or over one fp32 copy of
-    low-precision ones), so a chunk holds one [C, V] fp32 buffer instead of two (206 MB less
-    at 1,024 × 50,304), and an underflowing row's log Z is computed from its rebuilt logits.
-    Without it the logits are left as they are.
+    The softmax is written over fp32 logits (or over one fp32 copy of low-precision ones), so a
+    chunk holds one [C, V] fp32 buffer instead of two (206 MB less at 1,024 × 50,304);
+    ``row_logits(mask)`` rebuilds the logits of the rows that the boolean ``mask`` selects, for
+    the exact log Z of an underflowing row.
 
     On the CPU, one softmax kernel is the only pass over the [C, V] logits (a row is read from
     memory once and worked in cache); log Z comes from the target column,
@@ -110,22 +109,13 @@ def _softmax_and_lse(logits_CV: torch.Tensor, targets_C: torch.Tensor, needs_gra
     if logits_CV.device.type != "cpu" or not needs_grad:
         return _exact_softmax_and_lse(logits_CV, targets_C, needs_grad)
     dtype, logit_t_C = _target_logit(logits_CV, targets_C)
-    underflow_logits = None
-    if row_logits is not None:  # overwritten: the rows can be rebuilt
-        work_CV = logits_CV.to(dtype)
-        probs_CV = torch.softmax(work_CV, dim=-1, out=work_CV)
-    else:
-        probs_CV = torch.softmax(logits_CV, dim=-1, dtype=dtype)
-        underflow_logits = logits_CV
+    work_CV = logits_CV.to(dtype)  # fp32 logits themselves, else one fp32 copy
+    probs_CV = torch.softmax(work_CV, dim=-1, out=work_CV)
     p_t_C = probs_CV.gather(1, targets_C.unsqueeze(1)).squeeze(1)
     lse_C = logit_t_C - torch.log(p_t_C)
     underflow_C = ~(p_t_C >= torch.finfo(dtype).tiny)  # also NaN rows: recomputed, stay NaN
-    if bool(underflow_C.any()):
-        if underflow_logits is None:  # overwritten: recompute those rows' logits
-            underflow_logits = row_logits(underflow_C)
-        else:
-            underflow_logits = underflow_logits[underflow_C]
-        lse_C[underflow_C] = torch.logsumexp(underflow_logits.to(dtype), dim=-1)
+    if bool(underflow_C.any()):  # their logits are overwritten: rebuilt for the exact log Z
+        lse_C[underflow_C] = torch.logsumexp(row_logits(underflow_C).to(dtype), dim=-1)
     return lse_C, logit_t_C, probs_CV
 
 
