@@ -22,6 +22,9 @@ ratio of step times (B's time over A's, i.e. A's speed-up) with its median and s
 are adjacent in time, so load from other processes hits both sides of a ratio alike.
 Usage: ``python benchmarks/bench_train.py [--models tiny,gpt2] [--rounds 5] [--rss]``.
 Allocator: ``--malloc tuned`` sets ``GLIBC_TUNABLES`` (mmap off, no trimming) in the children.
+Loss chunk: densetrain's loss runs 1,024 positions at a time; ``densetrain-fp32@512`` or
+``densetrain-fp32@full`` (full logits) compares other chunks, e.g. ``--models tiny --variants
+densetrain-fp32,densetrain-fp32@full --ratios densetrain-fp32/densetrain-fp32@full``.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ def _densetrain_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return build_optimizer(model, OptimConfig(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1))
 
 
-def _densetrain_step(spec: dict, dtype: str, compile_: bool):
+def _densetrain_step(spec: dict, dtype: str, compile_: bool, loss_chunk: int | None = 1024):
     from densetrain.models import Transformer
     from densetrain.optim.interface import StandardOptimizer
     from densetrain.parallel.compile import apply_compile
@@ -114,7 +117,7 @@ def _densetrain_step(spec: dict, dtype: str, compile_: bool):
         apply_compile(model)
     opt = StandardOptimizer(model, _densetrain_optimizer(model))
     autocast = autocast_factory(torch.device("cpu"), dtype)
-    laid_out = LaidOutModel(module=model, loss_fn=model_loss_fn(1024))
+    laid_out = LaidOutModel(module=model, loss_fn=model_loss_fn(loss_chunk))
 
     def step(batch) -> float:
         out = train_step(
@@ -165,11 +168,26 @@ def _plain_step(spec: dict, dtype: str, compile_: bool):
                        lambda batch: forward(batch.inputs, batch.targets))
 
 
+def parse_variant(variant: str) -> tuple[str, str, bool, int | None]:
+    """``(impl, dtype, compile, loss chunk)`` of a variant name: one of `VARIANTS`, a densetrain
+    one optionally with ``@N`` (its loss in chunks of N positions; 1024 without) or ``@full``
+    (the full logits), e.g. ``densetrain-fp32@full``."""
+    base, _, chunk = variant.partition("@")
+    if base not in VARIANTS or (chunk and not base.startswith("densetrain")):
+        raise SystemExit(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}, a "
+                         "densetrain one optionally with @N or @full (its loss chunk)")
+    if chunk and chunk != "full" and not (chunk.isdigit() and int(chunk) > 0):
+        raise SystemExit(f"variant {variant!r}: the loss chunk after @ is a positive number "
+                         f"of positions or 'full', not {chunk!r}")
+    loss_chunk = None if chunk == "full" else int(chunk or 1024)
+    return (*VARIANTS[base], loss_chunk)
+
+
 def _stepper(variant: str, spec: dict):
-    impl, dtype, compile_ = VARIANTS[variant]
+    impl, dtype, compile_, loss_chunk = parse_variant(variant)
     torch.manual_seed(0)
     if impl == "densetrain":
-        return _densetrain_step(spec, dtype, compile_)[1]
+        return _densetrain_step(spec, dtype, compile_, loss_chunk)[1]
     if impl == "plain":
         return _plain_step(spec, dtype, compile_)
     return _hf_step(spec, dtype)
@@ -263,6 +281,8 @@ def main() -> None:
     parser.add_argument("--ratios", default="",
                         help="pairs A/B,... whose per-round speed-up A over B is reported")
     args = parser.parse_args()
+    for variant in args.variants.split(","):
+        parse_variant(variant)  # a bad name fails here, before the probe or any model
     if args.child:
         print(json.dumps(run_child(args.child, args.models, args.rounds)))
         return
@@ -313,7 +333,7 @@ def _table(results: list[dict], peaks: dict, malloc: str) -> str:
              "| model | variant | tokens/s | MFU vs fp32 peak | MFU vs own-dtype peak | "
              "peak RSS GiB |", "|---|---|---|---|---|---|"]
     for r in results:
-        tps, flops, dtype = r["tokens_per_s"], r["flops_per_token"], VARIANTS[r["variant"]][1]
+        tps, flops, dtype = r["tokens_per_s"], r["flops_per_token"], parse_variant(r["variant"])[1]
         rss = "-" if r["peak_rss_gib"] is None else f"{r['peak_rss_gib']:.2f}"
         lines.append(
             f"| {r['model']} | {r['variant']} | {tps:,.0f} | "

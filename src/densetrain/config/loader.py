@@ -48,8 +48,9 @@ def default_job_config() -> JobConfig:
         optim=OptimConfig(lr=3e-3),
         schedule=ScheduleConfig(name="cosine", warmup_steps=_DEFAULT_WARMUP_STEPS),
         # The chunked output head: never the full logits (what the planner assumes, and what
-        # a job it emits, built from this default, runs); 1.08x the full-logits step of this
-        # model on 2 CPU cores, and chunks of 1,024 were the fastest of 256-2,048 for a 50k vocab.
+        # a job it emits, built from this default, runs); 1.06x the full-logits step of this
+        # model on 2 CPU cores, and chunks of 1,024 were the fastest of 256-2,048 for a 50k vocab
+        # (benchmarks/bench_train.py, variants densetrain-fp32@N).
         training=TrainingConfig(loss_chunk_size=_DEFAULT_LOSS_CHUNK),
     )
 
