@@ -5,7 +5,9 @@ Appendix B), with model FLOPs per token from `densetrain.models.sizing.flops_per
 (6N + 12·L·H·Q·T: rematerialisation is not counted). Peaks of accelerators come from a table of
 vendor datasheet dense (non-sparse) numbers; on CPU the peak is measured with a short matmul
 probe (best of several spaced runs), because CPU peaks depend on core count, clocks and the
-instruction set in use; ``logging.peak_tflops`` pins it instead. Each run says which it used.
+instruction set in use (a bf16 run on a CPU whose bf16 matmuls are slower than its fp32 ones
+divides by the fp32 rate: bf16 is no faster mode there); ``logging.peak_tflops`` pins it
+instead. Each run says which it used.
 """
 
 from __future__ import annotations
@@ -88,10 +90,15 @@ def measure_cpu_peak_flops(dtype: str = "fp32", *, size: int = 1024, runs: int =
     if key in _CPU_PEAK_CACHE:
         return _CPU_PEAK_CACHE[key]
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    # bf16 is probed as a linear layer's forward multiplies, a @ bᵀ (what autocast runs). On a
+    # CPU without oneDNN bf16 kernels, torch.mm of two row-major bf16 matrices takes a slower
+    # loop than the layers' own matmuls (2 AMD EPYC cores, AVX2, 1024³: 0.0008 against 0.016
+    # TFLOP/s), which would read as an MFU of several hundred percent.
+    matmul = torch.mm if torch_dtype == torch.float32 else torch.nn.functional.linear
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=gen).to(torch_dtype)
     b = torch.randn(size, size, generator=gen).to(torch_dtype)
-    torch.mm(a, b)  # warm-up (thread pool, kernel selection)
+    matmul(a, b)  # warm-up (thread pool, kernel selection)
     best_rate = 0.0
     for run in range(runs):
         if run:
@@ -99,7 +106,7 @@ def measure_cpu_peak_flops(dtype: str = "fp32", *, size: int = 1024, runs: int =
         matmuls = 0
         start = time.perf_counter()
         while matmuls < 2 or time.perf_counter() - start < seconds_per_run:
-            torch.mm(a, b)
+            matmul(a, b)
             matmuls += 1
         best_rate = max(best_rate, matmuls / (time.perf_counter() - start))
     peak = 2.0 * size**3 * best_rate
@@ -118,10 +125,40 @@ def device_peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
         return math.nan, (f"unknown accelerator {name}: pin logging.peak_tflops (or add it to "
                           "ACCELERATOR_PEAK_TFLOPS)")
     if device.type == "cpu":
+        threads = torch.get_num_threads()
+        slower = cpu_bf16_shortfall() if dtype == "bf16" else None
+        if slower is not None:  # the machine's peak is its fp32 rate: bf16 is no faster mode here
+            return slower[1], (f"probed best of {CPU_PROBE_RUNS} fp32 matmul runs, {threads} "
+                               f"threads; this CPU's bf16 matmuls are slower "
+                               f"({slower[0] / 1e12:.3g} TFLOP/s)")
         peak = measure_cpu_peak_flops(dtype)
-        return peak, (f"probed best of {CPU_PROBE_RUNS} {dtype} matmul runs, "
-                      f"{torch.get_num_threads()} threads")
+        return peak, f"probed best of {CPU_PROBE_RUNS} {dtype} matmul runs, {threads} threads"
     return math.nan, f"no peak known for device type {device.type}: pin logging.peak_tflops"
+
+
+def cpu_bf16_shortfall() -> tuple[float, float] | None:
+    """``(bf16, fp32)`` probed FLOP/s of this CPU when its bf16 matmuls are the slower, else
+    None. CPUs without bf16 matmul instructions (AVX512-BF16, AMX; e.g. AVX2-only x86) convert
+    or loop in bf16, so bf16 autocast there costs speed instead of buying it."""
+    bf16, fp32 = measure_cpu_peak_flops("bf16"), measure_cpu_peak_flops("fp32")
+    return (bf16, fp32) if bf16 < fp32 else None
+
+
+def cpu_bf16_warning(device: torch.device, dtype_field: str) -> str | None:
+    """The start-up warning of a CPU run in bf16 (``training.dtype`` ``bf16``, or ``float8``,
+    whose other layers run in bf16) on a CPU whose bf16 matmuls are slower than its fp32 ones;
+    None elsewhere."""
+    if device.type != "cpu" or dtype_field not in ("bf16", "float8"):
+        return None
+    slower = cpu_bf16_shortfall()
+    if slower is None:
+        return None
+    bf16, fp32 = slower
+    return (f"warning: training.dtype={dtype_field} is slower than fp32 on this CPU: a bf16 "
+            f"linear layer's matmul ran at {bf16 / 1e12:.3g} TFLOP/s against "
+            f"{fp32 / 1e12:.3g} for fp32 ({fp32 / bf16:.1f}x slower; CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}: bf16 is fast on CPUs with AVX512-BF16 "
+            "or AMX). Use --training.dtype=fp32 here for speed; bf16 still trains correctly.")
 
 
 PINNED_PEAK_SOURCE = "pinned by logging.peak_tflops"

@@ -21,7 +21,7 @@ from densetrain.parallel.mesh import ParallelMesh
 from densetrain.parallel.model import LaidOutModel
 from densetrain.train.device import autocast_factory, resolve_device
 from densetrain.train.host_malloc import tune_host_allocator
-from densetrain.train.metrics import run_peak_flops
+from densetrain.train.metrics import cpu_bf16_warning, run_peak_flops
 from densetrain.train.state import ModelSizes, Progress, RunParts
 
 
@@ -154,6 +154,9 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
         run_dir.mkdir(parents=True, exist_ok=True)
         _announce(config_toml, counts, world_size, device, peak, peak_source)
         print(allocator_note, file=sys.stderr, flush=True)
+        slow_bf16 = cpu_bf16_warning(device, training.dtype)
+        if slow_bf16 is not None:
+            print(slow_bf16, file=sys.stderr, flush=True)
     parts = RunParts(
         model=model, model_cfg=model_cfg, optimizer=optimizer,
         scheduler=build_lr_scheduler(optimizer.torch_optimizer, job.schedule, training.steps),

@@ -19,6 +19,7 @@ from densetrain.train import (
 from densetrain.train.metrics import (
     CPU_PROBE_RUNS,
     PINNED_PEAK_SOURCE,
+    cpu_bf16_warning,
     mfu_warning,
     run_peak_flops,
 )
@@ -48,6 +49,26 @@ def test_cpu_probe_is_a_plausible_matmul_rate_and_says_how_it_was_found() -> Non
     assert source.startswith(f"probed best of {CPU_PROBE_RUNS} fp32 matmul runs"), source
     assert run_peak_flops(torch.device("cpu"), "fp32", 2.5) == (2.5e12, PINNED_PEAK_SOURCE)
     assert math.isnan(mfu(100.0, 1e6, math.nan, 1))
+
+
+@pytest.mark.skipif(torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="this CPU has oneDNN bf16 kernels")
+def test_a_cpu_without_bf16_kernels_warns_a_bf16_run_and_takes_its_fp32_peak() -> None:
+    # torch's own capability check says this CPU has no oneDNN bf16 kernels (e.g. AVX2-only
+    # x86), so its bf16 matmuls run in reference loops, slower than MKL's fp32 sgemm.
+    cpu = torch.device("cpu")
+    warning = cpu_bf16_warning(cpu, "bf16")
+    assert warning is not None
+    assert warning.startswith("warning: training.dtype=bf16 is slower than fp32 on this CPU")
+    assert "--training.dtype=fp32" in warning
+    assert cpu_bf16_warning(cpu, "float8").startswith("warning: training.dtype=float8 ")
+    assert cpu_bf16_warning(cpu, "fp32") is None
+    assert cpu_bf16_warning(torch.device("meta"), "bf16") is None
+    # MFU divides by the machine's best rate, its fp32 one, not by the slower bf16 loop
+    peak, source = device_peak_flops(cpu, "bf16")
+    assert peak == measure_cpu_peak_flops("fp32") > measure_cpu_peak_flops("bf16")
+    assert source.startswith(f"probed best of {CPU_PROBE_RUNS} fp32 matmul runs"), source
+    assert "bf16 matmuls are slower" in source
 
 
 def test_mfu_above_100_percent_is_warned_naming_the_fix() -> None:
