@@ -73,6 +73,15 @@ ModelSection.overrides = _model_section_overrides
 _VOCAB_FROM_TOKENIZER_KEYS = ("vocab_from_tokenizer", "tiny")
 
 
+
+def _in_model_section(build, overrides: dict) -> ModelConfig:
+    """``build(**overrides)``, its ``ValueError`` prefixed with ``[model]``: ModelConfig names
+    its own fields (``num_heads``), which a job's user sets as ``model.num_heads``."""
+    try:
+        return build(**overrides)
+    except ValueError as error:
+        raise ValueError(f"[model] {error}") from error
+
 @dataclass(kw_only=True)
 class JobConfig:
     """One training job: a typed section per component (see the module docstring)."""
@@ -105,7 +114,7 @@ class JobConfig:
             from_tokenizer = any(base.extra.get(k) for k in _VOCAB_FROM_TOKENIZER_KEYS)
             if vocab_size is not None and from_tokenizer and "vocab_size" not in overrides:
                 overrides["vocab_size"] = vocab_size
-            model_cfg = base.replace(**overrides) if overrides else base
+            model_cfg = _in_model_section(base.replace, overrides) if overrides else base
         else:
             if vocab_size is not None and "vocab_size" not in overrides:
                 overrides["vocab_size"] = vocab_size
@@ -116,7 +125,7 @@ class JobConfig:
                     f"model.preset is empty, so the [model] section must set {missing} "
                     "(or name a preset such as 'tiny-llama')"
                 )
-            model_cfg = ModelConfig(**overrides)
+            model_cfg = _in_model_section(ModelConfig, overrides)
         if self.data.seq_len > model_cfg.max_seq_len:
             raise ValueError(
                 f"data.seq_len={self.data.seq_len} exceeds the model's max_seq_len="

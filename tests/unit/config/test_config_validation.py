@@ -50,6 +50,10 @@ def _job(*overrides: str) -> JobConfig:
     (["--schedule.name=rsqrt", "--schedule.warmup_steps=0"], r"rsqrt' needs schedule.warmup"),
     (["--optim.name=sgd", "--optim.fused=true"], r"optim.fused=true is only available"),
     (["--logging.peak_tflops=-1"], r"logging.peak_tflops must be a finite number >= 0"),
+    (["--model.dim=100", "--model.num_heads=3"],
+     r"^\[model\] num_heads \(3\) must divide dim \(100\)"),
+    (["--model.preset=", "--model.vocab_size=10", "--model.dim=64", "--model.num_layers=2",
+      "--model.num_heads=4", "--model.norm_eps=0"], r"^\[model\] norm_eps must be > 0, got 0"),
 ])
 def test_bad_values_fail_with_clear_errors(overrides, message):
     with pytest.raises(ValueError, match=message):
