@@ -290,7 +290,7 @@ def main() -> None:
     from densetrain.train.metrics import measure_cpu_peak_flops
 
     def probe() -> dict[str, float]:
-        found = {d: measure_cpu_peak_flops(d, runs=10, seconds_per_run=0.2)
+        found = {d: measure_cpu_peak_flops(d, runs=10, seconds_per_run=0.2, fresh=True)
                  for d in ("fp32", "bf16")}
         print(f"peak (matmul probe, {torch.get_num_threads()} threads): fp32 "
               f"{found['fp32'] / 1e12:.3f}, bf16 {found['bf16'] / 1e12:.3f} TFLOP/s", flush=True)
@@ -298,6 +298,10 @@ def main() -> None:
 
     peaks = probe()
     variants = args.variants.split(",")
+    if peaks["bf16"] < peaks["fp32"] and any(parse_variant(v)[1] == "bf16" for v in variants):
+        print(f"note: bf16 matmuls are slower than fp32 ones on this CPU (CPU capability "
+              f"{torch.backends.cpu.get_cpu_capability()}, no AVX512-BF16 or AMX): its bf16 "
+              "variants time torch's fallback loops, not a fast mode", flush=True)
     pairs = [tuple(p.split("/")) for p in args.ratios.split(",") if p]
     results: list[dict] = []
     ratios: list[dict] = []

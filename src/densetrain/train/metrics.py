@@ -75,7 +75,8 @@ def accelerator_peak_flops(device_name: str, dtype: str) -> float | None:
 
 
 def measure_cpu_peak_flops(dtype: str = "fp32", *, size: int = 1024, runs: int = CPU_PROBE_RUNS,
-                           seconds_per_run: float = 0.06, pause_s: float = 0.02) -> float:
+                           seconds_per_run: float = 0.06, pause_s: float = 0.02,
+                           fresh: bool = False) -> float:
     """Best sustained FLOP/s of square matmuls on this CPU with the current thread count.
 
     ``runs`` short runs, each timing back-to-back ``size``² matmuls for about
@@ -83,11 +84,12 @@ def measure_cpu_peak_flops(dtype: str = "fp32", *, size: int = 1024, runs: int =
     run on a machine shared with other work reads low when a neighbour is busy at that moment
     (and MFU against it then reads high); the best of several spaced runs is the rate this CPU
     reaches when it is free. Cached per (dtype, threads). ``size`` 1024 keeps the probe in
-    cache-friendly, MKL/oneDNN peak territory.
+    cache-friendly, MKL/oneDNN peak territory. ``fresh`` measures again and replaces the cached
+    figure (a benchmark's probe after its runs).
     """
     threads = torch.get_num_threads()
     key = (dtype, threads)
-    if key in _CPU_PEAK_CACHE:
+    if key in _CPU_PEAK_CACHE and not fresh:
         return _CPU_PEAK_CACHE[key]
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     # bf16 is probed as a linear layer's forward multiplies, a @ bᵀ (what autocast runs). On a
