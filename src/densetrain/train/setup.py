@@ -17,6 +17,7 @@ from densetrain.config.job import JobConfig
 from densetrain.models.config import ModelConfig
 from densetrain.models.sizing import ParamCounts
 from densetrain.optim.interface import TrainingOptimizer
+from densetrain.parallel.compile import check_cpu_compiler
 from densetrain.parallel.mesh import ParallelMesh
 from densetrain.parallel.model import LaidOutModel
 from densetrain.train.device import autocast_factory, resolve_device
@@ -129,6 +130,8 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
     rank, world_size, local_rank = _init_distributed(job)
     assert world_size == dims.world_size, "the process group disagrees with WORLD_SIZE"
     device = resolve_device(job.training.device, local_rank=local_rank)
+    if job.training.compile and device.type == "cpu":
+        check_cpu_compiler()
     allocator_note = tune_host_allocator(job.training.host_allocator, device.type)
     pmesh = dims.build_mesh(device.type)
     data = build_data(job.data, dp_rank=pmesh.dp_rank, dp_size=dims.dp_size)

@@ -267,6 +267,24 @@ def test_debug_flag_shows_the_traceback(ws, capsys):
     assert "Traceback" in capsys.readouterr().err
 
 
+def test_compile_without_a_cpp_compiler_is_refused_before_the_model(ws, tmp_path, capsys,
+                                                                     monkeypatch):
+    # inductor's compiler search (the setting $CXX feeds) pointed at a compiler that is not there
+    from torch._inductor import config as inductor_config
+
+    missing = str(tmp_path / "no-such-g++")
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, missing))
+    argv = ["train", f'--data.datasets=["{ws / "ds"}"]', f"--logging.run_dir={tmp_path / 'run'}",
+            "--training.compile=true", *TRAIN]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "InductorError" not in err
+    line, = [x for x in err.splitlines() if x.startswith("densetrain ")]
+    assert "error: training.compile=true on CPU needs a C++ compiler" in line, err
+    assert missing in line and "--training.compile=false" in line
+    assert not list((tmp_path / "run").glob("*"))  # refused before any work: nothing written
+
+
 def test_console_script_reports_without_traceback(ws):
     done = subprocess.run([sys.executable, "-m", "densetrain", "data", "inspect",
                            str(ws / "nodir")], capture_output=True, text=True, timeout=120)
