@@ -267,16 +267,17 @@ def test_debug_flag_shows_the_traceback(ws, capsys):
     assert "Traceback" in capsys.readouterr().err
 
 
-def test_compile_without_a_cpp_compiler_is_refused_before_the_model(ws, tmp_path, capsys,
-                                                                     monkeypatch):
-    # inductor's compiler search (the setting $CXX feeds) pointed at a compiler that is not there
+def test_compile_without_a_cpp_compiler_is_refused_before_the_model(ws, tmp_path, capsys):
+    # inductor's compiler search (the setting $CXX feeds) pointed at a compiler that is not
+    # there, through inductor's own config.patch (which restores it after)
     from torch._inductor import config as inductor_config
 
     missing = str(tmp_path / "no-such-g++")
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, missing))
     argv = ["train", f'--data.datasets=["{ws / "ds"}"]', f"--logging.run_dir={tmp_path / 'run'}",
             "--training.compile=true", *TRAIN]
-    assert main(argv) == 2
+    with inductor_config.patch({"cpp.cxx": (None, missing)}):
+        assert main(argv) == 2
+    assert inductor_config.cpp.cxx != (None, missing)
     err = capsys.readouterr().err
     assert "Traceback" not in err and "InductorError" not in err
     line, = [x for x in err.splitlines() if x.startswith("densetrain ")]
