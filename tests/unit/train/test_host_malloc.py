@@ -73,6 +73,20 @@ def test_the_train_command_restarts_itself_with_the_tunables(tmp_path):
         assert expected in out.stderr, out.stderr[-2000:]
 
 
+def test_the_restart_happens_before_torch_is_imported():
+    """What `densetrain train` runs before it restarts itself (the CLI, the job config and
+    ``host_malloc``) imports no torch: everything imported there would be imported again."""
+    code = ("import sys\n"
+            "from densetrain.cli.main import build_parser\n"
+            "from densetrain.config import load_job_config\n"
+            "from densetrain.train.host_malloc import restart_with_tuned_allocator\n"
+            "build_parser(['train']); load_job_config(None, ['--training.steps=1'])\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 def test_allocator_is_left_alone_where_it_does_not_apply(monkeypatch):
     assert "cuda" in tune_host_allocator("tuned", "cuda")
     assert "system" in tune_host_allocator("system", "cpu")
