@@ -73,7 +73,6 @@ ModelSection.overrides = _model_section_overrides
 _VOCAB_FROM_TOKENIZER_KEYS = ("vocab_from_tokenizer", "tiny")
 
 
-
 def _in_model_section(build, overrides: dict) -> ModelConfig:
     """``build(**overrides)``, its ``ValueError`` prefixed with ``[model]``: ModelConfig names
     its own fields (``num_heads``), which a job's user sets as ``model.num_heads``."""
@@ -81,6 +80,7 @@ def _in_model_section(build, overrides: dict) -> ModelConfig:
         return build(**overrides)
     except ValueError as error:
         raise ValueError(f"[model] {error}") from error
+
 
 @dataclass(kw_only=True)
 class JobConfig:

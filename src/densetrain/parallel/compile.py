@@ -42,6 +42,7 @@ def check_cpu_compiler() -> None:
         tried = [c for c in (cxx if isinstance(cxx, (list, tuple)) else (cxx,)) if c]
         raise UserError(
             "training.compile=true on CPU needs a C++ compiler for torch.compile (inductor "
-            f"builds its kernels in C++), and none works here (tried {', '.join(tried)}: $CXX, "
-            "else g++); install g++ or clang++, set CXX to one, or set --training.compile=false"
+            f"builds its kernels in C++), and none works here (tried "
+            f"{', '.join(tried) or 'none'}: $CXX, else g++); install g++ or clang++, set CXX "
+            "to one, or set --training.compile=false"
         ) from None
