@@ -22,6 +22,7 @@ from densetrain.data.prepare import PrepareConfig, prepare_dataset
 from densetrain.data.scaleout import prepare_dataset_distributed, prepare_dataset_parallel
 from densetrain.data.shards import TokenStore, load_metadata
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
+from densetrain.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from densetrain.data.bundle import DataBundle, build_data
@@ -37,12 +38,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'densetrain.data' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY, globals())
 
 
 __all__ = [

@@ -7,9 +7,9 @@ The configs, presets and sizing formulas are plain Python and import at once; th
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from densetrain.lazy import lazy_exports
 from densetrain.models.config import ModelConfig, RopeScaling
 from densetrain.models.presets import get_preset, list_presets
 from densetrain.models.sizing import (
@@ -48,10 +48,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _TORCH_EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _TORCH_EXPORTS, globals())

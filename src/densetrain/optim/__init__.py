@@ -8,9 +8,9 @@ attribute of that name is the submodule).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from densetrain.lazy import lazy_exports
 from densetrain.optim.config import OptimConfig, ScheduleConfig
 
 if TYPE_CHECKING:
@@ -56,10 +56,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _TORCH_EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _TORCH_EXPORTS, globals())

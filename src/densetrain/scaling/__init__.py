@@ -7,7 +7,7 @@ The names below are loaded on first use (PEP 562), so that importing one light s
 
 from __future__ import annotations
 
-import importlib
+from densetrain.lazy import lazy_exports
 
 _EXPORTS = {
     "ScalingAnalysis": "analysis",
@@ -40,8 +40,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'densetrain.scaling' has no attribute {name!r}")
-    module = importlib.import_module(f"densetrain.scaling.{_EXPORTS[name]}")
-    return getattr(module, name)
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())

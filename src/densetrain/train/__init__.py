@@ -11,8 +11,9 @@ DCP, 3.7 s spent again after the restart.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from densetrain.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from densetrain.train.callbacks import Callback, plot_loss_curve
@@ -80,10 +81,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())
