@@ -18,8 +18,9 @@ the same random token batches, fused AdamW (β2 0.95, weight decay 0.1) and clip
 
 MFU uses `flops_per_token_palm` and a matmul-probe peak measured in the parent before and after
 the runs (both printed; the higher is the ceiling). ``--ratios A/B,...`` prints the per-round
-ratio of step times (B's time over A's, i.e. A's speed-up) with its median and spread: rounds
-are adjacent in time, so load from other processes hits both sides of a ratio alike.
+ratio of step times (B's time over A's, i.e. A's speed-up) with its median, the median's 95%
+confidence interval and the spread: rounds are adjacent in time, so load from other processes
+hits both sides of a ratio alike.
 Usage: ``python benchmarks/bench_train.py [--models tiny,gpt2] [--rounds 5] [--rss]``.
 Allocator: ``--malloc tuned`` sets ``GLIBC_TUNABLES`` (mmap off, no trimming) in the children.
 Loss chunk: densetrain's loss runs 1,024 positions at a time; ``densetrain-fp32@512`` or
@@ -233,14 +234,33 @@ def alternate(calls: dict, rounds: int, warmup: int) -> dict[str, list[float]]:
     return times
 
 
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """Distribution-free confidence interval for the median of ``values``: the order statistics
+    x(k) and x(n-k+1) with the largest k for which P(Binomial(n, 1/2) < k) <= (1 - confidence)/2
+    (the sign-test interval; it assumes only independent rounds). None when ``values`` are too
+    few for that confidence (fewer than 6 for 95%)."""
+    from scipy.stats import binom
+
+    ordered, n = sorted(values), len(values)
+    k = 0
+    while k + 1 <= n // 2 and binom.cdf(k, n, 0.5) <= (1 - confidence) / 2:
+        k += 1
+    return None if k == 0 else (ordered[k - 1], ordered[n - k])
+
+
 def ratio_rows(times: dict[str, list[float]], pairs: list[tuple[str, str]]) -> list[dict]:
-    """Per-round speed-up of A over B (B's step time / A's) for each pair, with median and
-    spread (min, max)."""
+    """Per-round speed-up of A over B (B's step time / A's) for each pair: its median, the
+    median's 95% confidence interval (`median_interval`), the spread (min, max) and, beside
+    them, the ratio of the two sides' median step times."""
     rows = []
     for a, b in pairs:
         per_round = [tb / ta for ta, tb in zip(times[a], times[b], strict=True)]
+        interval = median_interval(per_round)
         rows.append({"pair": f"{a}/{b}", "median": statistics.median(per_round),
-                     "min": min(per_round), "max": max(per_round), "rounds": per_round})
+                     "ci95": list(interval) if interval else None,
+                     "min": min(per_round), "max": max(per_round),
+                     "of_medians": statistics.median(times[b]) / statistics.median(times[a]),
+                     "rounds": per_round})
     return rows
 
 
@@ -325,8 +345,11 @@ def main() -> None:
     peaks = {d: max(peaks[d], after[d]) for d in peaks}
     print(_table(results, peaks, args.malloc))
     for r in ratios:
-        print(f"{r['model']} {r['pair']}: median {r['median']:.3f} "
-              f"(min {r['min']:.3f}, max {r['max']:.3f}, {len(r['rounds'])} rounds)")
+        ci = (f"95% CI {r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}, " if r["ci95"]
+              else "too few rounds for a 95% CI, ")
+        print(f"{r['model']} {r['pair']}: per-round median {r['median']:.3f} ({ci}min "
+              f"{r['min']:.3f}, max {r['max']:.3f}, {len(r['rounds'])} rounds); ratio of the "
+              f"median steps {r['of_medians']:.3f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"peaks": peaks, "results": results, "ratios": ratios}, f, indent=2)
