@@ -8,8 +8,9 @@ dotted paths, e.g. ``--training.steps=50 --model.num_layers=4 --logging.run_dir=
 Speed on CPU: the allocator matters (large per-step tensors are otherwise mmap'ed and faulted in
 again each step). The command restarts itself once with glibc's malloc tunables set so that they
 stay in the heap (``--training.host_allocator=system`` keeps the defaults; a ``GLIBC_TUNABLES``
-or an ``LD_PRELOAD``ed allocator of your own is left alone); set the thread count with
-``OMP_NUM_THREADS``.
+or an ``LD_PRELOAD``ed allocator of your own is left alone). Threads: each CPU rank runs
+its share of the host's cores (cores // LOCAL_WORLD_SIZE) unless ``OMP_NUM_THREADS`` is set;
+torchrun sets it to 1 for several ranks, and the start line says when that leaves cores idle.
 """
 
 from __future__ import annotations

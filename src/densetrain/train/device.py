@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 
 import torch
@@ -82,3 +83,58 @@ def peak_rss_bytes() -> int:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask: taskset, cgroup cpusets,
+    Slurm's binding), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity call on this OS
+        return os.cpu_count() or 1
+
+
+def tune_cpu_threads(device_type: str, environ: Mapping[str, str] | None = None, *,
+                     cores: int | None = None) -> str | None:
+    """Fit torch's intra-op threads of a CPU rank to its share of the host's cores; return the
+    start line saying what was done (None on an accelerator).
+
+    ``LOCAL_WORLD_SIZE`` ranks (torchrun's variable; 1 without it) share ``cores``
+    (`available_cores`), ``cores // ranks`` each. Without ``OMP_NUM_THREADS`` torch gives every
+    process a thread per core, so N ranks started by a launcher other than torchrun would ask
+    for N times as many threads as there are cores: such a rank is cut to its share. (On a
+    2-core host, 2 ranks x 2 threads trained as fast as 2 x 1, within the noise; the cut is
+    what torchrun's own default of one thread per rank guards against on larger hosts.) A set
+    ``OMP_NUM_THREADS`` (the user's, or torchrun's) is kept; the line says when it asks for
+    more than the share, or leaves half the cores or more idle.
+    """
+    if device_type != "cpu":
+        return None
+    environ = os.environ if environ is None else environ
+    cores = cores if cores is not None else available_cores()
+    try:
+        local = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    threads = torch.get_num_threads()
+    share = max(1, cores // local)
+    unit = "rank" if local > 1 else "process"
+    where = f"{cores} cores for {local} ranks on this host" if local > 1 else f"{cores} cores"
+    if local > cores:
+        where += ": more ranks than cores"
+    setting = environ.get("OMP_NUM_THREADS")
+    if threads > share:
+        if setting is None:
+            torch.set_num_threads(share)
+            return (f"cpu threads: {share} per {unit} ({where}; OMP_NUM_THREADS sets another "
+                    "count)")
+        asked = f"{local} ranks x {threads} threads" if local > 1 else f"{threads} threads"
+        return (f"note: OMP_NUM_THREADS={setting} runs {asked} on {cores} cores, more "
+                f"threads than cores; OMP_NUM_THREADS={share} fits this host")
+    if setting is not None and 2 * threads * local <= cores:
+        torchrun = " (torchrun sets 1 when it is unset)" if local > 1 else ""
+        ranks = f" ({local} ranks x {threads})" if local > 1 else ""
+        return (f"note: OMP_NUM_THREADS={setting}{torchrun} keeps {threads * local} of the "
+                f"{cores} cores busy{ranks}; OMP_NUM_THREADS={share} uses them all")
+    told = f"; OMP_NUM_THREADS={setting}" if setting and setting.strip() == str(threads) else ""
+    return f"cpu threads: {threads} per {unit} ({where}{told})"

@@ -20,7 +20,7 @@ from densetrain.optim.interface import TrainingOptimizer
 from densetrain.parallel.compile import check_cpu_compiler
 from densetrain.parallel.mesh import ParallelMesh
 from densetrain.parallel.model import LaidOutModel
-from densetrain.train.device import autocast_factory, resolve_device
+from densetrain.train.device import autocast_factory, resolve_device, tune_cpu_threads
 from densetrain.train.host_malloc import tune_host_allocator
 from densetrain.train.metrics import cpu_bf16_warning, run_peak_flops
 from densetrain.train.state import ModelSizes, Progress, RunParts
@@ -133,6 +133,7 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
     if job.training.compile and device.type == "cpu":
         check_cpu_compiler()
     allocator_note = tune_host_allocator(job.training.host_allocator, device.type)
+    threads_note = tune_cpu_threads(device.type)  # before the peak probe, which uses them
     pmesh = dims.build_mesh(device.type)
     data = build_data(job.data, dp_rank=pmesh.dp_rank, dp_size=dims.dp_size)
     model_cfg: ModelConfig = job.build_model_config(data.tokenizer.vocab_size)
@@ -157,6 +158,8 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
         run_dir.mkdir(parents=True, exist_ok=True)
         _announce(config_toml, counts, world_size, device, peak, peak_source)
         print(allocator_note, file=sys.stderr, flush=True)
+        if threads_note is not None:
+            print(threads_note, file=sys.stderr, flush=True)
         slow_bf16 = cpu_bf16_warning(device, training.dtype)
         if slow_bf16 is not None:
             print(slow_bf16, file=sys.stderr, flush=True)
