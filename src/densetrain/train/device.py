@@ -112,10 +112,14 @@ def tune_cpu_threads(device_type: str, environ: Mapping[str, str] | None = None,
         return None
     environ = os.environ if environ is None else environ
     cores = cores if cores is not None else available_cores()
+    raw = environ.get("LOCAL_WORLD_SIZE") or "1"
     try:
-        local = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
+        local = int(raw)
     except ValueError:
-        local = 1
+        local = 0
+    if local < 1:
+        raise ValueError(f"environment variable LOCAL_WORLD_SIZE must be an integer >= 1 (the "
+                         f"ranks on this host), got {raw!r}")
     threads = torch.get_num_threads()
     share = max(1, cores // local)
     unit = "rank" if local > 1 else "process"

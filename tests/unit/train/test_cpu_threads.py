@@ -61,6 +61,12 @@ def test_torchruns_one_thread_on_a_large_host_is_noted(restore_threads) -> None:
                     "16 cores busy (2 ranks x 1); OMP_NUM_THREADS=8 uses them all")
 
 
+@pytest.mark.parametrize("bad", ["abc", "0", "-2"])
+def test_a_bad_local_world_size_is_refused_by_name(restore_threads, bad) -> None:
+    with pytest.raises(ValueError, match=rf"LOCAL_WORLD_SIZE must be an integer >= 1 .*'{bad}'"):
+        tune_cpu_threads("cpu", {"LOCAL_WORLD_SIZE": bad}, cores=2)
+
+
 def test_accelerator_runs_are_not_touched(restore_threads) -> None:
     torch.set_num_threads(3)
     assert tune_cpu_threads("cuda", {"LOCAL_WORLD_SIZE": "8"}, cores=2) is None
