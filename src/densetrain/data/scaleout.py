@@ -276,7 +276,9 @@ def prepare_dataset_distributed(
     import torch.distributed as dist
 
     cfg = cfg or PrepareConfig()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    from densetrain.parallel.distributed import env_local_world_size
+
+    local = env_local_world_size()
     os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // local)))
     owns_group = not dist.is_initialized()
     if owns_group:

@@ -9,7 +9,7 @@ the others fail after ``timeout_s`` instead of waiting forever.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -57,6 +57,21 @@ def env_world_size() -> int:
     if world_size < 1:
         raise ValueError(f"environment variable WORLD_SIZE must be >= 1, got {world_size}")
     return world_size
+
+
+def env_local_world_size(environ: Mapping[str, str] | None = None) -> int:
+    """The ranks on this host as torchrun announces them (``LOCAL_WORLD_SIZE``; 1 without
+    torchrun), from ``environ`` (default ``os.environ``)."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get("LOCAL_WORLD_SIZE") or "1"
+    try:
+        local = int(raw)
+    except ValueError:
+        local = 0
+    if local < 1:
+        raise ValueError(f"environment variable LOCAL_WORLD_SIZE must be an integer >= 1 (the "
+                         f"ranks on this host), got {raw!r}")
+    return local
 
 
 def backend_for(device_type: str) -> str:

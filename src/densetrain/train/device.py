@@ -9,6 +9,8 @@ from contextlib import AbstractContextManager
 
 import torch
 
+from densetrain.parallel.distributed import env_local_world_size
+
 
 def resolve_device(name: str, *, local_rank: int = 0) -> torch.device:
     """``auto`` → this rank's GPU when CUDA is available, else CPU; other names as given.
@@ -99,7 +101,7 @@ def tune_cpu_threads(device_type: str, environ: Mapping[str, str] | None = None,
     """Fit torch's intra-op threads of a CPU rank to its share of the host's cores; return the
     start line saying what was done (None on an accelerator).
 
-    ``LOCAL_WORLD_SIZE`` ranks (torchrun's variable; 1 without it) share ``cores``
+    ``LOCAL_WORLD_SIZE`` ranks (`env_local_world_size`) share ``cores``
     (`available_cores`), ``cores // ranks`` each. Without ``OMP_NUM_THREADS`` torch gives every
     process a thread per core, so N ranks started by a launcher other than torchrun would ask
     for N times as many threads as there are cores: such a rank is cut to its share. (On a
@@ -112,18 +114,12 @@ def tune_cpu_threads(device_type: str, environ: Mapping[str, str] | None = None,
         return None
     environ = os.environ if environ is None else environ
     cores = cores if cores is not None else available_cores()
-    raw = environ.get("LOCAL_WORLD_SIZE") or "1"
-    try:
-        local = int(raw)
-    except ValueError:
-        local = 0
-    if local < 1:
-        raise ValueError(f"environment variable LOCAL_WORLD_SIZE must be an integer >= 1 (the "
-                         f"ranks on this host), got {raw!r}")
+    local = env_local_world_size(environ)
     threads = torch.get_num_threads()
     share = max(1, cores // local)
-    unit = "rank" if local > 1 else "process"
-    where = f"{cores} cores for {local} ranks on this host" if local > 1 else f"{cores} cores"
+    many = local > 1
+    unit = "rank" if many else "process"
+    where = f"{cores} cores for {local} ranks on this host" if many else f"{cores} cores"
     if local > cores:
         where += ": more ranks than cores"
     setting = environ.get("OMP_NUM_THREADS")
@@ -132,12 +128,12 @@ def tune_cpu_threads(device_type: str, environ: Mapping[str, str] | None = None,
             torch.set_num_threads(share)
             return (f"cpu threads: {share} per {unit} ({where}; OMP_NUM_THREADS sets another "
                     "count)")
-        asked = f"{local} ranks x {threads} threads" if local > 1 else f"{threads} threads"
+        asked = f"{local} ranks x {threads} threads" if many else f"{threads} threads"
         return (f"note: OMP_NUM_THREADS={setting} runs {asked} on {cores} cores, more "
                 f"threads than cores; OMP_NUM_THREADS={share} fits this host")
     if setting is not None and 2 * threads * local <= cores:
-        torchrun = " (torchrun sets 1 when it is unset)" if local > 1 else ""
-        ranks = f" ({local} ranks x {threads})" if local > 1 else ""
+        torchrun, ranks = (" (torchrun sets 1 when it is unset)",
+                           f" ({local} ranks x {threads})") if many else ("", "")
         return (f"note: OMP_NUM_THREADS={setting}{torchrun} keeps {threads * local} of the "
                 f"{cores} cores busy{ranks}; OMP_NUM_THREADS={share} uses them all")
     told = f"; OMP_NUM_THREADS={setting}" if setting and setting.strip() == str(threads) else ""
