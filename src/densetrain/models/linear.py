@@ -1,25 +1,35 @@
-"""Linear layers whose fp32 CPU matmuls with a short reduction go to oneDNN instead of MKL.
+"""Linear layers whose fp32 CPU matmuls go to oneDNN instead of MKL where oneDNN is faster.
 
-On x86 CPUs PyTorch runs every fp32 ``F.linear`` through MKL's sgemm. For the shapes of a
-transformer's forward (a reduction over the model width, a few hundred wide) MKL reaches less of
-the machine than oneDNN, which PyTorch also ships (``torch.ops.mkldnn._linear_pointwise``, the
-op inductor lowers CPU linears to) but only calls for low-precision or packed weights. Measured
-on 2 AMD EPYC cores (AVX2), [2048 × K] @ [K × 1536], both libraries alternating:
-oneDNN/MKL speed 1.08 (K 128-256), 1.17 (384), 1.30 (512), 1.20 (768), 1.03 (1024); MKL is
-ahead from K ≈ 1500 on (0.93 at K 50,304). So a matmul goes to oneDNN when its reduction is
-at most ``ONEDNN_MAX_REDUCTION``; the choice depends on shapes only, so it is the same on every
-rank and after every restart (resume stays bit-exact).
+On x86 CPUs PyTorch runs every fp32 ``F.linear`` and ``@`` through MKL's sgemm. oneDNN, which
+PyTorch also ships (``torch.ops.mkldnn._linear_pointwise``, the op inductor lowers CPU linears
+to), is called only for low-precision or packed weights. Which library is faster depends on the
+CPU (`onednn_reduction_limit`):
+
+* On x86 CPUs with AVX-512 from other vendors than Intel (AMD Zen 4 / Zen 5), MKL's sgemm runs
+  its AVX2 code while oneDNN uses AVX-512. Measured on 2 AMD EPYC Zen 5 cores, fp32: oneDNN
+  0.36-0.44 TFLOP/s against MKL's 0.15-0.19 for every matmul of a GPT's training step (forward,
+  input and weight gradients, output head; benchmarks/RESULTS.md). There every fp32 matmul of
+  `linear` and of `matmul` goes to oneDNN.
+* Elsewhere (AVX2 CPUs, Intel CPUs, whose MKL path is native) a matmul goes to oneDNN when its
+  reduction is at most ``ONEDNN_AVX2_MAX_REDUCTION``. Measured on 2 AMD EPYC cores (AVX2),
+  [2048 × K] @ [K × 1536], both libraries alternating: oneDNN/MKL speed 1.08 (K 128-256), 1.17
+  (384), 1.30 (512), 1.20 (768), 1.03 (1024); MKL is ahead from K ≈ 1500 on (0.93 at K 50,304).
+
+The choice depends on the CPU and the shapes only, so it is the same on every rank of a machine
+and after every restart on it (resume stays bit-exact).
 
 Only plain fp32 CPU tensors outside autocast and outside ``torch.compile`` take this path:
 DTensors (tensor parallel), CUDA, bf16 / autocast (already oneDNN in PyTorch), compiled
 regions (inductor picks its own kernels) and fully checkpointed blocks (`aten_matmuls`) run
 ``F.linear`` unchanged. Written here because
-PyTorch offers no switch for it: its fp32 oneDNN matmul setting computes in bf16 or tf32.
+PyTorch offers no switch for it: its fp32 oneDNN matmul setting computes in bf16 or tf32, and
+MKL's own instruction-set variables do not lift its AVX2 path on these CPUs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import platform
 import threading
 from collections.abc import Iterator
 
@@ -28,8 +38,36 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-ONEDNN_MAX_REDUCTION = 768
-"""Largest reduction (inner) dimension sent to oneDNN; larger ones stay with MKL."""
+ONEDNN_AVX2_MAX_REDUCTION = 768
+"""Largest reduction (inner) dimension sent to oneDNN on CPUs where MKL is native."""
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...; "" if unknown)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    processor = platform.processor()  # e.g. "AMD64 Family 25 Model 17 Stepping 1, AuthenticAMD"
+    return next((v for v in ("GenuineIntel", "AuthenticAMD", "HygonGenuine") if v in processor), "")
+
+
+def onednn_reduction_limit(vendor: str, capability: str) -> int | None:
+    """The largest reduction `linear` and `matmul` send to oneDNN on a CPU of ``vendor`` whose
+    PyTorch ``capability`` (``torch.backends.cpu.get_cpu_capability()``) is given; None: every
+    reduction (AVX-512 CPUs not made by Intel, where MKL runs its AVX2 code)."""
+    if capability.startswith("AVX512") and vendor not in ("GenuineIntel", ""):
+        return None
+    return ONEDNN_AVX2_MAX_REDUCTION
+
+
+ONEDNN_MAX_REDUCTION: int | None = onednn_reduction_limit(
+    cpu_vendor(), torch.backends.cpu.get_cpu_capability()
+)
+"""This CPU's `onednn_reduction_limit`: the largest reduction sent to oneDNN (None: all)."""
 
 ONEDNN_LINEAR_OP = (
     getattr(torch.ops.mkldnn, "_linear_pointwise", None)
@@ -83,16 +121,42 @@ def _plain_cpu_fp32(*tensors: torch.Tensor | None) -> bool:
     )
 
 
-def uses_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether ``linear(x, weight, bias)`` runs its forward matmul on oneDNN."""
+def _short(reduction: int) -> bool:
+    return ONEDNN_MAX_REDUCTION is None or reduction <= ONEDNN_MAX_REDUCTION
+
+
+def _onednn_allowed(*tensors: torch.Tensor | None) -> bool:
     return (
-        weight.shape[1] <= ONEDNN_MAX_REDUCTION
-        and _plain_cpu_fp32(x, weight, bias)
+        ONEDNN_LINEAR_OP is not None
+        and _plain_cpu_fp32(*tensors)
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_compiling()
         and not getattr(_LOCAL, "depth", 0)
-        and ONEDNN_LINEAR_OP is not None
     )
+
+
+def uses_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether ``linear(x, weight, bias)`` runs its forward matmul on oneDNN."""
+    return _short(weight.shape[1]) and _onednn_allowed(x, weight, bias)
+
+
+def _onednn_mm(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
+    # a @ b as oneDNN's x @ wᵀ: w = bᵀ in any strides (oneDNN packs the weight operand itself;
+    # measured faster than a contiguous copy of it), x contiguous (oneDNN copies it otherwise).
+    return ONEDNN_LINEAR_OP(a_MK.contiguous(), b_KN.t(), None, "none", [], "")
+
+
+def matmul_uses_onednn(reduction: int, *tensors: torch.Tensor | None) -> bool:
+    """Whether `matmul` of ``tensors`` with this ``reduction`` (inner size) runs on oneDNN."""
+    return _short(reduction) and _onednn_allowed(*tensors)
+
+
+def matmul(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of two 2-D tensors (not differentiable through oneDNN: for gradients that are
+    computed by hand), on oneDNN under the same rule as `linear` (`matmul_uses_onednn`)."""
+    if matmul_uses_onednn(a_MK.shape[1], a_MK, b_KN):
+        return _onednn_mm(a_MK, b_KN)
+    return a_MK @ b_KN
 
 
 def _onednn_linear(x_2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -101,9 +165,9 @@ def _onednn_linear(x_2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 class _OneDnnLinear(torch.autograd.Function):
-    """y = x Wᵀ + b with the forward (reduction over in-features) on oneDNN, the input
-    gradient (reduction over out-features) on oneDNN when that is short too, and the weight
-    gradient (reduction over tokens, long) on MKL."""
+    """y = x Wᵀ + b with the forward (reduction over in-features) on oneDNN, and each gradient
+    on oneDNN when its reduction is short too (`_short`): the input gradient reduces over
+    out-features, the weight gradient over tokens."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -119,13 +183,16 @@ class _OneDnnLinear(torch.autograd.Function):
         grad_2d = grad_out.reshape(-1, weight.shape[0])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            if weight.shape[0] <= ONEDNN_MAX_REDUCTION:
-                grad_x = _onednn_linear(grad_2d, weight.t(), None)
+            if _short(weight.shape[0]):
+                grad_x = _onednn_mm(grad_2d, weight)
             else:
                 grad_x = grad_2d @ weight
             grad_x = grad_x.view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            grad_w = grad_2d.t() @ x_2d
+            if _short(grad_2d.shape[0]):
+                grad_w = _onednn_mm(grad_2d.t(), x_2d)
+            else:
+                grad_w = grad_2d.t() @ x_2d
         if ctx.needs_input_grad[2]:  # False when there is no bias
             grad_b = grad_2d.sum(0)
         return grad_x, grad_w, grad_b

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from densetrain.models.linear import linear
+from densetrain.models.linear import linear, matmul, matmul_uses_onednn
 
 
 class LossOutput(NamedTuple):
@@ -235,6 +235,15 @@ class _ChunkedLMLoss(torch.autograd.Function):
             b_V = bias_V.to(compute) if bias_V is not None else None
             low_precision = torch.finfo(compute).bits < 32
             compiled_kernel = compiled_chunk_kernel() if compiled and low_precision else None
+            # fp32 CPU gradient matmuls on oneDNN where it is the faster library (linear.py):
+            # the input gradient p @ w against one contiguous wᵀ, and the weight gradient as
+            # hᵀ @ p, i.e. [E, V], summed over the chunks and transposed into place once.
+            w_EV = grad_EV = None
+            onednn_wgrad = needs_grad and matmul_uses_onednn(
+                min(chunk_size, hidden_NE.shape[0]), hidden_NE, w_VE, b_V
+            ) and compute == accumulate
+            if needs_grad and matmul_uses_onednn(vocab_size, hidden_NE, w_VE):
+                w_EV = w_VE.t().contiguous()
             for start in range(0, hidden_NE.shape[0], chunk_size):
                 h_CE = hidden_NE[start : start + chunk_size].to(compute)
                 t_C = targets_N[start : start + chunk_size]
@@ -261,21 +270,32 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 p_CV = probs_CV.to(compute)
                 del probs_CV  # an fp32 softmax of low-precision logits: freed once cast
                 h_acc_CE = h_CE.to(accumulate)
-                rows_CE = (p_CV @ w_VE).to(accumulate).mul_(scale_C1)
+                rows_CE = (p_CV @ w_VE if w_EV is None else matmul(p_CV, w_EV.t()))
+                rows_CE = rows_CE.to(accumulate).mul_(scale_C1)
                 rows_CE.sub_(w_VE[safe_t_C].to(accumulate) * weight_C1)
                 grad_hidden_NE[start : start + chunk_size] = rows_CE
                 scaled_h_CE = (h_acc_CE * scale_C1).to(compute)
                 first = start == 0  # beta 0 / copy: the empty accumulator is never read
-                if compute == accumulate:
+                target_rows_CE = h_acc_CE * -weight_C1
+                if onednn_wgrad:
+                    part_EV = matmul(scaled_h_CE.t(), p_CV)
+                    grad_EV = part_EV if first else grad_EV.add_(part_EV)
+                    del part_EV
+                    grad_EV.index_add_(1, safe_t_C, target_rows_CE.t())
+                elif compute == accumulate:
                     grad_weight_VE.addmm_(p_CV.t(), scaled_h_CE, beta=0.0 if first else 1.0)
                 else:  # low-precision matmul, fp32 accumulation across chunks
                     part_VE = p_CV.t() @ scaled_h_CE
                     (grad_weight_VE.copy_ if first else grad_weight_VE.add_)(part_VE)
-                grad_weight_VE.index_add_(0, safe_t_C, h_acc_CE * -weight_C1)
+                if not onednn_wgrad:
+                    grad_weight_VE.index_add_(0, safe_t_C, target_rows_CE)
                 if grad_bias_V is not None:
                     grad_bias_V += (p_CV.t() @ scale_C1.to(compute)).squeeze(1).to(accumulate)
                     grad_bias_V.index_add_(0, safe_t_C, -weight_C1.squeeze(1))
                 del p_CV  # freed before the next chunk's logits are allocated
+            if grad_EV is not None:
+                grad_weight_VE.copy_(grad_EV.t())
+            del w_EV, grad_EV
         ce_loss = ce_sum / denominator
         z_loss = z_loss_coef * z_sum / denominator
         if needs_grad:

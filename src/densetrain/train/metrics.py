@@ -77,7 +77,8 @@ def accelerator_peak_flops(device_name: str, dtype: str) -> float | None:
 def measure_cpu_peak_flops(dtype: str = "fp32", *, size: int = 1024, runs: int = CPU_PROBE_RUNS,
                            seconds_per_run: float = 0.06, pause_s: float = 0.02,
                            fresh: bool = False) -> float:
-    """Best sustained FLOP/s of square matmuls on this CPU with the current thread count.
+    """Best sustained FLOP/s of square matmuls on this CPU with the current thread count, on
+    the library that densetrain's layers use for them (`densetrain.models.linear`).
 
     ``runs`` short runs, each timing back-to-back ``size``² matmuls for about
     ``seconds_per_run`` as one rate, with a pause between runs; the best run is the peak. One
@@ -92,11 +93,13 @@ def measure_cpu_peak_flops(dtype: str = "fp32", *, size: int = 1024, runs: int =
     if key in _CPU_PEAK_CACHE and not fresh:
         return _CPU_PEAK_CACHE[key]
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    # bf16 is probed as a linear layer's forward multiplies, a @ bᵀ (what autocast runs). On a
-    # CPU without oneDNN bf16 kernels, torch.mm of two row-major bf16 matrices takes a slower
-    # loop than the layers' own matmuls (2 AMD EPYC cores, AVX2, 1024³: 0.0008 against 0.016
-    # TFLOP/s), which would read as an MFU of several hundred percent.
-    matmul = torch.mm if torch_dtype == torch.float32 else torch.nn.functional.linear
+    # Probed as a linear layer's forward multiplies, a @ bᵀ, through densetrain's own `linear`,
+    # i.e. on the library its layers use. fp32: oneDNN on AVX-512 AMD CPUs, where MKL's sgemm
+    # runs AVX2 code at about half the rate (a torch.mm probe would halve the ceiling). bf16:
+    # what autocast runs; on a CPU without oneDNN bf16 kernels, torch.mm of two row-major bf16
+    # matrices takes a slower loop than the layers' own matmuls (2 AMD EPYC cores, AVX2, 1024³:
+    # 0.0008 against 0.016 TFLOP/s), which would read as an MFU of several hundred percent.
+    from densetrain.models.linear import linear as matmul
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=gen).to(torch_dtype)
     b = torch.randn(size, size, generator=gen).to(torch_dtype)

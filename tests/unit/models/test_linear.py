@@ -9,7 +9,15 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from densetrain.models.linear import ONEDNN_MAX_REDUCTION, Linear, linear, uses_onednn
+import densetrain.models.linear as linear_module
+from densetrain.models.linear import (
+    ONEDNN_AVX2_MAX_REDUCTION,
+    Linear,
+    linear,
+    matmul,
+    onednn_reduction_limit,
+    uses_onednn,
+)
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
@@ -26,29 +34,53 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.fixture(params=[ONEDNN_AVX2_MAX_REDUCTION, None], ids=["limit768", "unbounded"])
+def reduction_limit(request, monkeypatch):
+    """Both routing policies on any CPU: the AVX2 / Intel limit and AVX-512 AMD's none."""
+    monkeypatch.setattr(linear_module, "ONEDNN_MAX_REDUCTION", request.param)
+    return request.param
+
+
+def _short(reduction, limit):
+    return limit is None or reduction <= limit
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("in_out", [(48, 80), (80, 48), (64, 1000), (1000, 64)])
-def test_linear_equals_fp64_reference_in_values_and_gradients(bias, in_out):
+@pytest.mark.parametrize("tokens", [(3, 5), (2, 400)])
+def test_linear_equals_fp64_reference_in_values_and_gradients(bias, in_out, tokens,
+                                                              reduction_limit):
     fan_in, fan_out = in_out
     torch.manual_seed(0)
     layer = Linear(fan_in, fan_out, bias=bias)
-    x = torch.randn(3, 5, fan_in, requires_grad=True)
-    grad_out = torch.randn(3, 5, fan_out)
+    x = torch.randn(*tokens, fan_in, requires_grad=True)
+    grad_out = torch.randn(*tokens, fan_out)
     with _Ops() as ops:
         y = layer(x)
-    y.backward(grad_out)
-    onednn = fan_in <= ONEDNN_MAX_REDUCTION
-    assert ("mkldnn._linear_pointwise" in ops.names) == onednn
+        y.backward(grad_out)
+    # forward on oneDNN for a short in-features reduction; then each gradient for its own
+    # (input gradient: out-features; weight gradient: tokens)
+    expected = 0
+    if _short(fan_in, reduction_limit):
+        expected = 1 + _short(fan_out, reduction_limit) + _short(x[..., 0].numel(),
+                                                                 reduction_limit)
+    assert ops.names.count("mkldnn._linear_pointwise") == expected
     x64 = x.detach().double().requires_grad_(True)
     w64 = layer.weight.detach().double().requires_grad_(True)
     b64 = layer.bias.detach().double().requires_grad_(True) if bias else None
     ref = F.linear(x64, w64, b64)
     ref.backward(grad_out.double())
-    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(layer.weight.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)
+
+    def close(actual, expected, reduction):  # fp32 rounding grows like sqrt(reduction)
+        atol = 4e-6 * max(reduction, 16) ** 0.5
+        torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=atol)
+
+    tokens_n = x[..., 0].numel()
+    close(y, ref, fan_in)
+    close(x.grad, x64.grad, fan_out)
+    close(layer.weight.grad, w64.grad, tokens_n)
     if bias:
-        torch.testing.assert_close(layer.bias.grad.double(), b64.grad, rtol=1e-5, atol=1e-5)
+        close(layer.bias.grad, b64.grad, tokens_n)
 
 
 def test_linear_is_an_nn_linear_with_the_same_state_dict():
@@ -57,14 +89,40 @@ def test_linear_is_an_nn_linear_with_the_same_state_dict():
     assert set(layer.state_dict()) == set(nn.Linear(8, 4).state_dict())
 
 
-def test_other_dtypes_autocast_compile_and_long_reductions_keep_f_linear():
+def test_the_routing_policy_per_cpu():
+    """MKL runs AVX2 code on AVX-512 CPUs of other vendors (AMD Zen 4 / 5): every reduction
+    goes to oneDNN there; elsewhere the short ones only."""
+    assert onednn_reduction_limit("AuthenticAMD", "AVX512") is None
+    assert onednn_reduction_limit("AuthenticAMD", "AVX2") == ONEDNN_AVX2_MAX_REDUCTION
+    assert onednn_reduction_limit("GenuineIntel", "AVX512") == ONEDNN_AVX2_MAX_REDUCTION
+    assert onednn_reduction_limit("", "AVX512") == ONEDNN_AVX2_MAX_REDUCTION  # unknown vendor
+    assert onednn_reduction_limit("AuthenticAMD", "DEFAULT") == ONEDNN_AVX2_MAX_REDUCTION
+
+
+def test_matmul_equals_fp64_and_follows_the_rule(reduction_limit):
+    torch.manual_seed(3)
+    for m, k, n in [(7, 30, 11), (5, 1000, 9)]:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        for a_in, b_in in [(a, b), (a.t().contiguous().t(), b.t().contiguous().t())]:
+            with _Ops() as ops:
+                out = matmul(a_in, b_in)
+            assert ("mkldnn._linear_pointwise" in ops.names) == _short(k, reduction_limit)
+            torch.testing.assert_close(out.double(), a.double() @ b.double(),
+                                       rtol=1e-5, atol=1e-4)
+    with torch.autocast("cpu", dtype=torch.bfloat16), _Ops() as ops:
+        matmul(torch.randn(4, 8), torch.randn(8, 4))
+    assert "mkldnn._linear_pointwise" not in ops.names
+
+
+def test_other_dtypes_autocast_compile_and_long_reductions_keep_f_linear(reduction_limit):
     x, w = torch.randn(4, 16), torch.randn(8, 16)
     assert uses_onednn(x, w)
     assert not uses_onednn(x.double(), w.double())
     assert not uses_onednn(x.to("meta"), w.to("meta"))  # any other device: CUDA's own GEMMs
     assert Linear(16, 8, device="meta")(x.to("meta")).device.type == "meta"
-    assert not uses_onednn(torch.randn(4, ONEDNN_MAX_REDUCTION + 1),
-                           torch.randn(8, ONEDNN_MAX_REDUCTION + 1))
+    long_k = ONEDNN_AVX2_MAX_REDUCTION + 1
+    long_x, long_w = torch.randn(4, long_k), torch.randn(8, long_k)
+    assert uses_onednn(long_x, long_w) == (reduction_limit is None)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not uses_onednn(x, w)
     seen = []
@@ -96,7 +154,6 @@ def test_checkpointed_blocks_recompute_what_aten_matmuls_would(mode):
     """Selective checkpointing saves the oneDNN matmuls like aten ones (no matmul recomputed);
     full checkpointing runs aten matmuls, so torch's early stop still skips the block's last
     matmul: the FLOP counts equal those of the same model with every linear on aten."""
-    import densetrain.models.linear as linear_module
     from densetrain.models import ModelConfig, Transformer
     from densetrain.parallel.checkpointing import apply_activation_checkpointing
 

@@ -92,6 +92,61 @@ def test_chunked_equals_unchunked_values_and_gradients(chunk_size, z_loss_coef, 
     assert torch.count_nonzero(grads[1][vocab:]) == 0  # padding rows never receive gradient
 
 
+class _OpNames(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this build")
+@pytest.mark.parametrize("limit", [768, None], ids=["limit768", "unbounded"])
+@pytest.mark.parametrize("chunk_size", [5, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_chunked_fp32_gradients_on_either_matmul_library(limit, chunk_size, with_bias,
+                                                          monkeypatch):
+    """fp32 on the CPU: the gradient matmuls run on oneDNN where `linear.py`'s rule says (all
+    of them on AVX-512 AMD CPUs, the weight gradient as hᵀ @ p summed in [E, V]) or on aten;
+    either way the values and gradients equal the fp64 reference."""
+    import densetrain.models.linear as linear_module
+
+    monkeypatch.setattr(linear_module, "ONEDNN_MAX_REDUCTION", limit)
+    torch.manual_seed(2)
+    vocab, padded, width = 900, 912, 24
+    hidden64 = torch.randn(2, 40, width, dtype=torch.float64)
+    weight64 = torch.randn(padded, width, dtype=torch.float64) / 3
+    bias64 = torch.randn(padded, dtype=torch.float64) if with_bias else None
+    targets = torch.randint(0, vocab, (2, 40))
+    targets[1, :7] = -100
+    leaves64 = [t.requires_grad_(True) for t in (hidden64, weight64, bias64) if t is not None]
+    # the fp64 reference written out: mean CE over counted tokens + 1e-3 · mean(log²Z)
+    logits64 = F.linear(hidden64, weight64, bias64)[..., :vocab].reshape(-1, vocab)
+    valid = targets.reshape(-1) != -100
+    lse = torch.logsumexp(logits64, dim=-1)[valid]
+    target_logit = logits64[valid].gather(1, targets.reshape(-1)[valid].unsqueeze(1)).squeeze(1)
+    reference = (lse - target_logit).mean() + 1e-3 * lse.square().mean()
+    ref_grads = torch.autograd.grad(reference * 1.5, leaves64)
+    leaves = [t.detach().float().requires_grad_(True) for t in leaves64]
+    bias = leaves[2] if with_bias else None
+    with _OpNames() as ops:
+        chunked = chunked_lm_loss(leaves[0], leaves[1], targets, vocab_size=vocab,
+                                  chunk_size=chunk_size, z_loss_coef=1e-3, output_bias_P=bias)
+        grads = torch.autograd.grad(chunked.loss * 1.5, leaves)
+    # forward logits (reduction 24) on oneDNN under both rules; the input gradient (reduction
+    # 900) and the weight gradient (reduction: the chunk) only where the rule allows them
+    onednn_calls = ops.names.count("mkldnn._linear_pointwise")
+    chunks = -(-80 // chunk_size)
+    expected = chunks * (1 + (limit is None) + (limit is None or chunk_size <= limit))
+    assert onednn_calls == expected
+    torch.testing.assert_close(chunked.loss.double(), reference, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+    assert torch.count_nonzero(grads[1][vocab:]) == 0
+
+
 def test_chunked_without_grad_and_bad_chunk_size():
     hidden, weight = torch.randn(2, 3, 8), torch.randn(10, 8)
     targets = torch.randint(0, 10, (2, 3))
