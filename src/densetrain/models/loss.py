@@ -308,9 +308,12 @@ class _ChunkedLMLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_ce, _grad_z, _grad_num):
         grad_hidden_NE, grad_weight_PE, grad_bias_P = ctx.saved_tensors
-        grad_hidden = grad_hidden_NE * grad_loss.to(grad_hidden_NE.dtype)
-        grad_weight = (grad_weight_PE * grad_loss).to(ctx.weight_dtype)
+        # Scaled in place: the saved gradients are used once, and a [P, E] copy of the output
+        # weight's would raise the peak (77 MB for a 50k × 384 fp32 head). A second backward
+        # through this graph (retain_graph) fails loudly on their version counters.
+        grad_hidden = grad_hidden_NE.mul_(grad_loss.to(grad_hidden_NE.dtype))
+        grad_weight = grad_weight_PE.mul_(grad_loss).to(ctx.weight_dtype)
         grad_bias = None
         if grad_bias_P is not None:
-            grad_bias = (grad_bias_P * grad_loss).to(ctx.weight_dtype)
+            grad_bias = grad_bias_P.mul_(grad_loss).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None

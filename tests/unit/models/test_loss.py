@@ -345,3 +345,20 @@ def test_the_chunked_loss_holds_one_chunk_of_probabilities_at_a_time(autocast):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), live:
         chunked_lm_loss(hidden, weight, targets, vocab_size=vocab, chunk_size=chunk)
     assert live.peak == (2 if autocast else 1)
+
+
+def test_a_second_backward_through_the_chunked_loss_fails_loudly():
+    """The saved gradients are scaled in place in backward (no [P, E] copy), so a second
+    backward through a retained graph must raise, not return gradients scaled twice."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 8, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    targets = torch.randint(0, 40, (2, 8))
+    out = chunked_lm_loss(hidden, weight, targets, vocab_size=40, chunk_size=4)
+    reference = cross_entropy_loss(F.linear(hidden, weight), targets).loss
+    expected = torch.autograd.grad(reference * 2, [hidden, weight])
+    (out.loss * 2).backward(retain_graph=True)
+    torch.testing.assert_close(hidden.grad, expected[0])
+    torch.testing.assert_close(weight.grad, expected[1])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.loss.backward()
