@@ -2,7 +2,8 @@
 reduction size and in the whole training step.
 
 1. ``[tokens × K] @ [K × out]`` for K in ``--reductions``: both libraries alternating call by
-   call; the speed ratio oneDNN/MKL per K (what ``ONEDNN_MAX_REDUCTION`` is chosen from).
+   call; the speed ratio oneDNN/MKL per K (what ``onednn_reduction_limit`` is chosen from;
+   the last column says which library densetrain's rule picks on this CPU).
 2. The densetrain training step of ``bench_train``'s GPT-2 shape with its linears as they are
    against the same step inside `aten_matmuls` (every linear on MKL), the two taking turns step
    by step (order reversed each round): the per-round speed-up with its spread.

@@ -9,7 +9,8 @@ the same random token batches, fused AdamW (β2 0.95, weight decay 0.1) and clip
 
 * densetrain: the model's ``forward`` with targets (the chunked output projection + loss), through
   the trainer's own `train_step`; eager or ``torch.compile`` (per block), fp32 or bf16 autocast;
-  its fp32 CPU linears send short-reduction matmuls to oneDNN (`densetrain.models.linear`).
+  its fp32 CPU matmuls go to oneDNN where it is the faster library (all of them on AVX-512
+  CPUs not made by Intel, short reductions elsewhere: `densetrain.models.linear`).
 * plain: ``plain_gpt.PlainGPT`` (GPT-2 shape only), a one-module GPT written the way the
   minimal single-file GPTs are: eager or ``torch.compile`` of the whole model, SDPA, the full
   logits + ``F.cross_entropy``, torch's default AdamW (no fused kernel), clipping at 1.0.
