@@ -198,10 +198,73 @@ class _OneDnnLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+# Inside torch.compile, inductor lowers an fp32 CPU ``F.linear`` to MKL (it uses oneDNN for
+# fp32 only with frozen inference weights). An opaque custom op keeps oneDNN's matmuls in the
+# compiled graph, with inductor fusing the element-wise work around them; its backward is the
+# same op (or aten's mm for a long reduction).
+_COMPILED_MM = None
+if ONEDNN_LINEAR_OP is not None:
+
+    @torch.library.custom_op("densetrain::onednn_mm", mutates_args=())
+    def _onednn_mm_op(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
+        return _onednn_mm(a_MK, b_KN)
+
+    @_onednn_mm_op.register_fake
+    def _onednn_mm_fake(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
+        return a_MK.new_empty((a_MK.shape[0], b_KN.shape[1]))
+
+    def _compiled_mm(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
+        return _onednn_mm_op(a_MK, b_KN) if _short(a_MK.shape[1]) else a_MK @ b_KN
+
+    def _onednn_mm_setup(ctx, inputs, output) -> None:
+        ctx.save_for_backward(*inputs)
+
+    def _onednn_mm_backward(ctx, grad_MN):
+        a_MK, b_KN = ctx.saved_tensors
+        grad_a = _compiled_mm(grad_MN, b_KN.t()) if ctx.needs_input_grad[0] else None
+        grad_b = _compiled_mm(a_MK.t(), grad_MN) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b
+
+    _onednn_mm_op.register_autograd(_onednn_mm_backward, setup_context=_onednn_mm_setup)
+    _COMPILED_MM = _onednn_mm_op
+
+    def _register_compiled_mm_flops() -> None:
+        from torch.utils import flop_counter
+
+        op = torch.ops.densetrain.onednn_mm
+        if op in flop_counter.flop_registry:
+            return
+
+        @flop_counter.register_flop_formula(op)
+        def _mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+            return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+    _register_compiled_mm_flops()
+
+
+def compiled_uses_onednn(x: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> bool:
+    """Whether ``linear(x, weight, bias)`` inside ``torch.compile`` keeps its matmuls on oneDNN
+    (through the ``densetrain::onednn_mm`` custom op): the rule of `uses_onednn` for a plain fp32
+    CPU linear outside autocast."""
+    return (
+        _COMPILED_MM is not None
+        and torch.compiler.is_compiling()
+        and _short(weight.shape[1])
+        and _plain_cpu_fp32(x, weight, bias)
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """``F.linear`` (differentiable), on oneDNN where `uses_onednn` says so."""
+    """``F.linear`` (differentiable), on oneDNN where `uses_onednn` (eager) or
+    `compiled_uses_onednn` (inside ``torch.compile``) says so."""
     if uses_onednn(x, weight, bias):
         return _OneDnnLinear.apply(x, weight, bias)
+    if compiled_uses_onednn(x, weight, bias):
+        out = _COMPILED_MM(x.reshape(-1, x.shape[-1]), weight.t())
+        out = out.view(*x.shape[:-1], weight.shape[0])
+        return out if bias is None else out + bias
     return F.linear(x, weight, bias)
 
 

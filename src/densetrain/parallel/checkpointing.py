@@ -30,8 +30,9 @@ _SAVED_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
 }
-if ONEDNN_LINEAR_OP is not None:  # densetrain.models.linear's CPU matmuls
+if ONEDNN_LINEAR_OP is not None:  # densetrain.models.linear's CPU matmuls (eager, compiled)
     _SAVED_OPS.add(ONEDNN_LINEAR_OP.default)
+    _SAVED_OPS.add(torch.ops.densetrain.onednn_mm.default)
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -177,3 +177,70 @@ def test_checkpointed_blocks_recompute_what_aten_matmuls_would(mode):
     reference, unused = counted(False)
     assert fast == reference
     assert used and not unused  # the fast path ran (the output head at least); aten only
+
+
+class _GraphOps:
+    """A torch.compile backend that keeps the op names of the forward and backward graphs
+    (through AOTAutograd) and runs them as they are."""
+
+    def __init__(self):
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.names = []
+
+        def record(graph_module, example_inputs):
+            self.names += [str(n.target) for n in graph_module.graph.nodes
+                           if n.op == "call_function"]
+            return graph_module.forward
+
+        self.backend = aot_autograd(fw_compiler=record, bw_compiler=record)
+
+    def count(self, fragment):
+        return sum(fragment in name for name in self.names)
+
+
+@pytest.mark.parametrize("in_out", [(48, 80), (1000, 64)])
+def test_compiled_linear_keeps_onednn_and_equals_fp64(in_out, reduction_limit):
+    """Inside torch.compile a plain fp32 CPU linear runs its matmuls through the
+    ``densetrain::onednn_mm`` custom op where the rule says (inductor would pick MKL), its
+    backward too; values and gradients equal the fp64 reference."""
+    torch._dynamo.reset()
+    fan_in, fan_out = in_out
+    torch.manual_seed(0)
+    layer = Linear(fan_in, fan_out)
+    x = torch.randn(4, 50, fan_in, requires_grad=True)
+    grad_out = torch.randn(4, 50, fan_out)
+    graphs = _GraphOps()
+    y = torch.compile(layer, backend=graphs.backend)(x)
+    y.backward(grad_out)
+    # forward; input gradient (reduction fan_out); weight gradient (reduction: 200 tokens)
+    expected = 0
+    if _short(fan_in, reduction_limit):
+        expected = 1 + _short(fan_out, reduction_limit) + _short(200, reduction_limit)
+    assert graphs.count("densetrain.onednn_mm") == expected
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = layer.weight.detach().double().requires_grad_(True)
+    b64 = layer.bias.detach().double().requires_grad_(True)
+    F.linear(x64, w64, b64).backward(grad_out.double())
+    atol = 4e-6 * max(fan_in, fan_out, 200) ** 0.5
+    torch.testing.assert_close(y.double(), F.linear(x64, w64, b64).detach(), rtol=1e-5,
+                               atol=atol)
+    for got, want in [(x.grad, x64.grad), (layer.weight.grad, w64.grad),
+                      (layer.bias.grad, b64.grad)]:
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=atol)
+    torch._dynamo.reset()
+
+
+def test_compiled_linear_under_autocast_and_the_flop_count():
+    torch._dynamo.reset()
+    layer = Linear(32, 16)
+    x = torch.randn(3, 32)
+    graphs = _GraphOps()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.compile(layer, backend=graphs.backend)(x)
+    assert graphs.count("densetrain.onednn_mm") == 0  # bf16: PyTorch's own oneDNN matmuls
+    a, b = torch.randn(5, 7), torch.randn(7, 3)
+    with FlopCounterMode(display=False) as counter:
+        torch.ops.densetrain.onednn_mm(a, b)
+    assert counter.get_total_flops() == 2 * 5 * 7 * 3
+    torch._dynamo.reset()
