@@ -155,6 +155,11 @@ def compiled_chunk_kernel():
     return _COMPILED_KERNEL
 
 
+WGRAD_ROWS = 4096
+"""Vocab rows per low-precision weight-gradient matmul of `chunked_lm_loss` (2 CPU cores, bf16,
+[1,024 tokens × 50,304] probabilities: 113 ms for two chunks against 115 ms in one matmul)."""
+
+
 def chunked_lm_loss(
     hidden_BSE: torch.Tensor,
     output_weight_PE: torch.Tensor,
@@ -303,9 +308,13 @@ class _ChunkedLMLoss(torch.autograd.Function):
                     grad_EV.index_add_(1, safe_t_C, target_rows_CE.t())
                 elif compute == accumulate:
                     grad_weight_VE.addmm_(p_CV.t(), scaled_h_CE, beta=0.0 if first else 1.0)
-                else:  # low-precision matmul, fp32 accumulation across chunks
-                    part_VE = p_CV.t() @ scaled_h_CE
-                    (grad_weight_VE.copy_ if first else grad_weight_VE.add_)(part_VE)
+                else:  # low-precision matmuls, fp32 accumulation across chunks
+                    # a block of vocab rows at a time: no [V, E] low-precision partial product
+                    # (37 MB at 50,304 × 384 in bf16, at the loss's memory peak), same speed
+                    for row in range(0, vocab_size, WGRAD_ROWS):
+                        part_RE = p_CV[:, row : row + WGRAD_ROWS].t() @ scaled_h_CE
+                        rows_RE = grad_weight_VE[row : row + WGRAD_ROWS]
+                        (rows_RE.copy_ if first else rows_RE.add_)(part_RE)
                 if not onednn_wgrad:
                     grad_weight_VE.index_add_(0, safe_t_C, target_rows_CE)
                 if grad_bias_V is not None:
