@@ -125,11 +125,18 @@ def _short(reduction: int) -> bool:
     return ONEDNN_MAX_REDUCTION is None or reduction <= ONEDNN_MAX_REDUCTION
 
 
-def _onednn_allowed(*tensors: torch.Tensor | None) -> bool:
+def _fp32_outside_autocast(*tensors: torch.Tensor | None) -> bool:
     return (
         ONEDNN_LINEAR_OP is not None
         and _plain_cpu_fp32(*tensors)
         and not torch.is_autocast_enabled("cpu")
+    )
+
+
+def _onednn_allowed(*tensors: torch.Tensor | None) -> bool:
+    """Eager only: compiled regions take `compiled_uses_onednn`, full checkpointing aten."""
+    return (
+        _fp32_outside_autocast(*tensors)
         and not torch.compiler.is_compiling()
         and not getattr(_LOCAL, "depth", 0)
     )
@@ -137,13 +144,18 @@ def _onednn_allowed(*tensors: torch.Tensor | None) -> bool:
 
 def uses_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether ``linear(x, weight, bias)`` runs its forward matmul on oneDNN."""
-    return _short(weight.shape[1]) and _onednn_allowed(x, weight, bias)
+    return matmul_uses_onednn(weight.shape[1], x, weight, bias)
 
 
 def _onednn_mm(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
     # a @ b as oneDNN's x @ wᵀ: w = bᵀ in any strides (oneDNN packs the weight operand itself;
     # measured faster than a contiguous copy of it), x contiguous (oneDNN copies it otherwise).
     return ONEDNN_LINEAR_OP(a_MK.contiguous(), b_KN.t(), None, "none", [], "")
+
+
+def _mm_by_rule(a_MK: torch.Tensor, b_KN: torch.Tensor, onednn_mm=_onednn_mm) -> torch.Tensor:
+    """``a @ b`` through ``onednn_mm`` when the reduction K is short (`_short`), else aten's."""
+    return onednn_mm(a_MK, b_KN) if _short(a_MK.shape[1]) else a_MK @ b_KN
 
 
 def matmul_uses_onednn(reduction: int, *tensors: torch.Tensor | None) -> bool:
@@ -154,9 +166,7 @@ def matmul_uses_onednn(reduction: int, *tensors: torch.Tensor | None) -> bool:
 def matmul(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of two 2-D tensors (not differentiable through oneDNN: for gradients that are
     computed by hand), on oneDNN under the same rule as `linear` (`matmul_uses_onednn`)."""
-    if matmul_uses_onednn(a_MK.shape[1], a_MK, b_KN):
-        return _onednn_mm(a_MK, b_KN)
-    return a_MK @ b_KN
+    return _mm_by_rule(a_MK, b_KN) if _onednn_allowed(a_MK, b_KN) else a_MK @ b_KN
 
 
 def _onednn_linear(x_2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -183,16 +193,9 @@ class _OneDnnLinear(torch.autograd.Function):
         grad_2d = grad_out.reshape(-1, weight.shape[0])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            if _short(weight.shape[0]):
-                grad_x = _onednn_mm(grad_2d, weight)
-            else:
-                grad_x = grad_2d @ weight
-            grad_x = grad_x.view(ctx.x_shape)
+            grad_x = _mm_by_rule(grad_2d, weight).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            if _short(grad_2d.shape[0]):
-                grad_w = _onednn_mm(grad_2d.t(), x_2d)
-            else:
-                grad_w = grad_2d.t() @ x_2d
+            grad_w = _mm_by_rule(grad_2d.t(), x_2d)
         if ctx.needs_input_grad[2]:  # False when there is no bias
             grad_b = grad_2d.sum(0)
         return grad_x, grad_w, grad_b
@@ -213,16 +216,13 @@ if ONEDNN_LINEAR_OP is not None:
     def _onednn_mm_fake(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
         return a_MK.new_empty((a_MK.shape[0], b_KN.shape[1]))
 
-    def _compiled_mm(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
-        return _onednn_mm_op(a_MK, b_KN) if _short(a_MK.shape[1]) else a_MK @ b_KN
-
     def _onednn_mm_setup(ctx, inputs, output) -> None:
         ctx.save_for_backward(*inputs)
 
     def _onednn_mm_backward(ctx, grad_MN):
         a_MK, b_KN = ctx.saved_tensors
-        grad_a = _compiled_mm(grad_MN, b_KN.t()) if ctx.needs_input_grad[0] else None
-        grad_b = _compiled_mm(a_MK.t(), grad_MN) if ctx.needs_input_grad[1] else None
+        grad_a = _mm_by_rule(grad_MN, b_KN.t(), _onednn_mm_op) if ctx.needs_input_grad[0] else None
+        grad_b = _mm_by_rule(a_MK.t(), grad_MN, _onednn_mm_op) if ctx.needs_input_grad[1] else None
         return grad_a, grad_b
 
     _onednn_mm_op.register_autograd(_onednn_mm_backward, setup_context=_onednn_mm_setup)
@@ -251,8 +251,7 @@ def compiled_uses_onednn(x: torch.Tensor, weight: torch.Tensor,
         _COMPILED_MM is not None
         and torch.compiler.is_compiling()
         and _short(weight.shape[1])
-        and _plain_cpu_fp32(x, weight, bias)
-        and not torch.is_autocast_enabled("cpu")
+        and _fp32_outside_autocast(x, weight, bias)
     )
 
 

@@ -306,16 +306,16 @@ class _ChunkedLMLoss(torch.autograd.Function):
                     grad_EV = part_EV if first else grad_EV.add_(part_EV)
                     del part_EV
                     grad_EV.index_add_(1, safe_t_C, target_rows_CE.t())
-                elif compute == accumulate:
-                    grad_weight_VE.addmm_(p_CV.t(), scaled_h_CE, beta=0.0 if first else 1.0)
-                else:  # low-precision matmuls, fp32 accumulation across chunks
-                    # a block of vocab rows at a time: no [V, E] low-precision partial product
-                    # (37 MB at 50,304 × 384 in bf16, at the loss's memory peak), same speed
-                    for row in range(0, vocab_size, WGRAD_ROWS):
-                        part_RE = p_CV[:, row : row + WGRAD_ROWS].t() @ scaled_h_CE
-                        rows_RE = grad_weight_VE[row : row + WGRAD_ROWS]
-                        (rows_RE.copy_ if first else rows_RE.add_)(part_RE)
-                if not onednn_wgrad:
+                else:
+                    if compute == accumulate:
+                        grad_weight_VE.addmm_(p_CV.t(), scaled_h_CE, beta=0.0 if first else 1.0)
+                    else:  # low-precision matmuls, fp32 accumulation across chunks, a block of
+                        # vocab rows at a time: no [V, E] low-precision partial product (37 MB
+                        # at 50,304 × 384 in bf16, at the loss's memory peak), same speed
+                        for row in range(0, vocab_size, WGRAD_ROWS):
+                            part_RE = p_CV[:, row : row + WGRAD_ROWS].t() @ scaled_h_CE
+                            rows_RE = grad_weight_VE[row : row + WGRAD_ROWS]
+                            (rows_RE.copy_ if first else rows_RE.add_)(part_RE)
                     grad_weight_VE.index_add_(0, safe_t_C, target_rows_CE)
                 if grad_bias_V is not None:
                     grad_bias_V += (p_CV.t() @ scale_C1.to(compute)).squeeze(1).to(accumulate)

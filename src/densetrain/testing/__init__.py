@@ -1,6 +1,9 @@
-"""Test helpers: real gloo ranks under pytest, tiny configs, comparison helpers."""
+"""Test helpers: real gloo ranks under pytest, tiny configs, comparison helpers, the ops a
+call dispatches."""
 
 from densetrain.testing.distributed import DistributedTestError, run_distributed
 from densetrain.testing.jobs import TINY_OVERRIDES, tiny_job_overrides
+from densetrain.testing.ops import OpNames
 
-__all__ = ["TINY_OVERRIDES", "DistributedTestError", "run_distributed", "tiny_job_overrides"]
+__all__ = ["TINY_OVERRIDES", "DistributedTestError", "OpNames", "run_distributed",
+           "tiny_job_overrides"]

@@ -99,11 +99,11 @@ def measure_cpu_peak_flops(dtype: str = "fp32", *, size: int = 1024, runs: int =
     # what autocast runs; on a CPU without oneDNN bf16 kernels, torch.mm of two row-major bf16
     # matrices takes a slower loop than the layers' own matmuls (2 AMD EPYC cores, AVX2, 1024³:
     # 0.0008 against 0.016 TFLOP/s), which would read as an MFU of several hundred percent.
-    from densetrain.models.linear import linear as matmul
+    from densetrain.models.linear import linear
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=gen).to(torch_dtype)
     b = torch.randn(size, size, generator=gen).to(torch_dtype)
-    matmul(a, b)  # warm-up (thread pool, kernel selection)
+    linear(a, b)  # warm-up (thread pool, kernel selection)
     best_rate = 0.0
     for run in range(runs):
         if run:
@@ -111,7 +111,7 @@ def measure_cpu_peak_flops(dtype: str = "fp32", *, size: int = 1024, runs: int =
         matmuls = 0
         start = time.perf_counter()
         while matmuls < 2 or time.perf_counter() - start < seconds_per_run:
-            matmul(a, b)
+            linear(a, b)
             matmuls += 1
         best_rate = max(best_rate, matmuls / (time.perf_counter() - start))
     peak = 2.0 * size**3 * best_rate

@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import densetrain.models.linear as linear_module
@@ -18,20 +17,11 @@ from densetrain.models.linear import (
     onednn_reduction_limit,
     uses_onednn,
 )
+from densetrain.testing import OpNames
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
 )
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(params=[ONEDNN_AVX2_MAX_REDUCTION, None], ids=["limit768", "unbounded"])
@@ -55,7 +45,7 @@ def test_linear_equals_fp64_reference_in_values_and_gradients(bias, in_out, toke
     layer = Linear(fan_in, fan_out, bias=bias)
     x = torch.randn(*tokens, fan_in, requires_grad=True)
     grad_out = torch.randn(*tokens, fan_out)
-    with _Ops() as ops:
+    with OpNames() as ops:
         y = layer(x)
         y.backward(grad_out)
     # forward on oneDNN for a short in-features reduction; then each gradient for its own
@@ -104,12 +94,12 @@ def test_matmul_equals_fp64_and_follows_the_rule(reduction_limit):
     for m, k, n in [(7, 30, 11), (5, 1000, 9)]:
         a, b = torch.randn(m, k), torch.randn(k, n)
         for a_in, b_in in [(a, b), (a.t().contiguous().t(), b.t().contiguous().t())]:
-            with _Ops() as ops:
+            with OpNames() as ops:
                 out = matmul(a_in, b_in)
             assert ("mkldnn._linear_pointwise" in ops.names) == _short(k, reduction_limit)
             torch.testing.assert_close(out.double(), a.double() @ b.double(),
                                        rtol=1e-5, atol=1e-4)
-    with torch.autocast("cpu", dtype=torch.bfloat16), _Ops() as ops:
+    with torch.autocast("cpu", dtype=torch.bfloat16), OpNames() as ops:
         matmul(torch.randn(4, 8), torch.randn(8, 4))
     assert "mkldnn._linear_pointwise" not in ops.names
 
@@ -165,7 +155,7 @@ def test_checkpointed_blocks_recompute_what_aten_matmuls_would(mode):
         model = Transformer(cfg)
         model.init_weights(seed=0)
         apply_activation_checkpointing(model, mode)
-        with FlopCounterMode(display=False) as counter, _Ops() as ops:
+        with FlopCounterMode(display=False) as counter, OpNames() as ops:
             if onednn:
                 model(tokens).square().mean().backward()
             else:

@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from densetrain.models.loss import chunked_lm_loss, cross_entropy_loss
+from densetrain.testing import OpNames
 
 
 def _data(vocab=50, tokens=(3, 7), ignore_every=4):
@@ -92,16 +93,6 @@ def test_chunked_equals_unchunked_values_and_gradients(chunk_size, z_loss_coef, 
     assert torch.count_nonzero(grads[1][vocab:]) == 0  # padding rows never receive gradient
 
 
-class _OpNames(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this build")
 @pytest.mark.parametrize("limit", [768, None], ids=["limit768", "unbounded"])
 @pytest.mark.parametrize("chunk_size", [5, 64])
@@ -131,7 +122,7 @@ def test_chunked_fp32_gradients_on_either_matmul_library(limit, chunk_size, with
     ref_grads = torch.autograd.grad(reference * 1.5, leaves64)
     leaves = [t.detach().float().requires_grad_(True) for t in leaves64]
     bias = leaves[2] if with_bias else None
-    with _OpNames() as ops:
+    with OpNames() as ops:
         chunked = chunked_lm_loss(leaves[0], leaves[1], targets, vocab_size=vocab,
                                   chunk_size=chunk_size, z_loss_coef=1e-3, output_bias_P=bias)
         grads = torch.autograd.grad(chunked.loss * 1.5, leaves)
