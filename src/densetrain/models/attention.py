@@ -104,25 +104,76 @@ def _compiled_cpu_attention_applies(q_BHSK: torch.Tensor, k_BGTK: torch.Tensor,
 def _compiled_cpu_attention(q_BHSK: torch.Tensor, k_BGTK: torch.Tensor,
                             v_BGTK: torch.Tensor) -> torch.Tensor:
     """Causal attention written out — scores, fp32 softmax, weighted values — for inductor to
-    fuse on the CPU.
+    fuse on the CPU (`_WrittenOutAttention` has the forward and the backward).
 
     PyTorch's CPU flash-attention kernel reaches about 0.1 TFLOP/s in bf16, a fifth of the bf16
     matmul rate, and for a short sequence its blocking buys nothing: the [S, S] scores of a
-    head fit in cache. Written out, the two products are bf16 matmuls (oneDNN) and inductor
-    fuses scale, mask, softmax and the casts into one loop each way. Measured on 2 AMD EPYC Zen
-    5 cores, bf16, [8, 6, 256, 64] causal, forward + backward alternating: 14-26 ms against
-    20-28 ms for SDPA (benchmarks/RESULTS.md). It holds the [B, H, S, S] probabilities for
-    backward (6 MB a layer there), so it is taken up to ``COMPILED_CPU_ATTENTION_MAX_SEQ``.
+    head fit in cache. Written out, the products are bf16 matmuls (oneDNN) and inductor fuses
+    scale, mask, softmax and the casts into one loop each way. Measured on 2 AMD EPYC Zen 5
+    cores, bf16, [8, 6, 256, 64] causal, forward + backward: about 6 ms against 21 ms for SDPA
+    (benchmarks/bench_attention.py, benchmarks/RESULTS.md). It holds the [B, H, S, S]
+    probabilities for backward (6 MB a layer there), so it is taken up to
+    ``COMPILED_CPU_ATTENTION_MAX_SEQ``.
     """
     batch, heads, seq, head_dim = q_BHSK.shape
-    groups = k_BGTK.shape[1]
-    q_BGRSK = q_BHSK.view(batch, groups, heads // groups, seq, head_dim)
-    scores_BGRST = (q_BGRSK @ k_BGTK.unsqueeze(2).transpose(-1, -2)) * head_dim**-0.5
-    causal_ST = torch.ones(seq, seq, dtype=torch.bool, device=q_BHSK.device).tril()
-    scores_BGRST = scores_BGRST.float().masked_fill(~causal_ST, float("-inf"))
-    probs_BGRST = torch.softmax(scores_BGRST, dim=-1).to(q_BHSK.dtype)
-    out_BGRSK = probs_BGRST @ v_BGTK.unsqueeze(2)
-    return out_BGRSK.reshape(batch, heads, seq, head_dim)
+    out_BGRSK = _WrittenOutAttention.apply(
+        q_BHSK.view(batch, k_BGTK.shape[1], heads // k_BGTK.shape[1], seq, head_dim),
+        k_BGTK, v_BGTK,
+    )
+    return out_BGRSK.view(batch, heads, seq, head_dim)
+
+
+def _causal_ST(seq: int, device: torch.device) -> torch.Tensor:
+    # From index comparisons, not a stored tril: inductor computes it inside the softmax loop
+    # (in int32, a quarter faster there than int64; measured beside a bool tril, an additive
+    # bias and exp(s - logsumexp(s)), which were slower).
+    index = torch.arange(seq, dtype=torch.int32, device=device)
+    return index[:, None] >= index[None, :]
+
+
+class _WrittenOutAttention(torch.autograd.Function):
+    """Causal attention of ``q`` [B, G, R, S, K] (R query heads per kv head) over ``k``, ``v``
+    [B, G, T, K] with its own backward.
+
+    Written by hand because autograd's backward of the fp32 softmax needs the fp32
+    probabilities, which inductor then either stores ([B, H, S, S] fp32) or recomputes in a
+    second pass over the scores: both cost more than the products. This backward uses the
+    low-precision probabilities P that the value product saves anyway: dS = P ∘ (dP −
+    rowsum(dP ∘ P)), one fused row loop in fp32. (Flash attention's rowsum(dO ∘ O) would need
+    the output saved as well; measured the same speed, and less accurate against fp64 here.)
+    The R query heads of a kv head are one [R·S] row block of each product, so grouped heads
+    need no expanded keys or values and their key and value gradients are summed by the
+    matmuls themselves. Forward + backward of [8, 6, 256, 64] bf16 on 2 AMD EPYC Zen 5 cores:
+    6.0 ms against 12.5 ms for the same code through autograd (benchmarks/RESULTS.md).
+    """
+
+    @staticmethod
+    def forward(ctx, q_BGRSK, k_BGTK, v_BGTK):
+        batch, groups, reps, seq, head_dim = q_BGRSK.shape
+        q_BGNK = q_BGRSK.reshape(batch, groups, reps * seq, head_dim)  # N = R·S
+        scores_BGRST = (q_BGNK @ k_BGTK.transpose(-1, -2)).view(*q_BGRSK.shape[:-1], seq)
+        scores_BGRST = torch.where(_causal_ST(seq, q_BGRSK.device),
+                                   scores_BGRST.float() * head_dim**-0.5, float("-inf"))
+        probs_BGNT = torch.softmax(scores_BGRST, dim=-1).to(q_BGRSK.dtype).view(
+            batch, groups, reps * seq, seq)
+        out_BGNK = probs_BGNT @ v_BGTK
+        ctx.save_for_backward(q_BGNK, k_BGTK, v_BGTK, probs_BGNT)
+        return out_BGNK.view(q_BGRSK.shape)
+
+    @staticmethod
+    def backward(ctx, grad_BGRSK):
+        q_BGNK, k_BGTK, v_BGTK, probs_BGNT = ctx.saved_tensors
+        grad_BGNK = grad_BGRSK.reshape(q_BGNK.shape)
+        grad_v_BGTK = probs_BGNT.transpose(-1, -2) @ grad_BGNK
+        grad_probs_BGNT = grad_BGNK @ v_BGTK.transpose(-1, -2)
+        probs_f_BGNT, grad_probs_f_BGNT = probs_BGNT.float(), grad_probs_BGNT.float()
+        row_BGN1 = (grad_probs_f_BGNT * probs_f_BGNT).sum(-1, keepdim=True)
+        grad_scores_BGNT = (
+            probs_f_BGNT * (grad_probs_f_BGNT - row_BGN1) * q_BGNK.shape[-1] ** -0.5
+        ).to(q_BGNK.dtype)
+        grad_q_BGNK = grad_scores_BGNT @ k_BGTK
+        grad_k_BGTK = grad_scores_BGNT.transpose(-1, -2) @ q_BGNK
+        return grad_q_BGNK.view(grad_BGRSK.shape), grad_k_BGTK, grad_v_BGTK
 
 
 class LayerCache(Protocol):

@@ -3,7 +3,7 @@ call dispatches."""
 
 from densetrain.testing.distributed import DistributedTestError, run_distributed
 from densetrain.testing.jobs import TINY_OVERRIDES, tiny_job_overrides
-from densetrain.testing.ops import OpNames
+from densetrain.testing.ops import OpNames, TracedOps
 
-__all__ = ["TINY_OVERRIDES", "DistributedTestError", "OpNames", "run_distributed",
-           "tiny_job_overrides"]
+__all__ = ["TINY_OVERRIDES", "DistributedTestError", "OpNames", "TracedOps",
+           "run_distributed", "tiny_job_overrides"]

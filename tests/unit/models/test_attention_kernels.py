@@ -12,24 +12,9 @@ from densetrain.models.attention import (
     AttentionMask,
     scaled_dot_product,
 )
+from densetrain.testing import TracedOps
 
 CAUSAL = AttentionMask(is_causal=True)
-
-
-class _RecordingBackend:
-    """A torch.compile backend that keeps the names of the ops dynamo traced and runs the graph
-    as it is (autograd through it as in eager)."""
-
-    def __init__(self):
-        self.names = []
-
-    def __call__(self, graph_module, example_inputs):
-        self.names += [str(getattr(n.target, "__name__", n.target))
-                       for n in graph_module.graph.nodes]
-        return graph_module.forward
-
-    def used_sdpa(self):
-        return any("scaled_dot_product" in name for name in self.names)
 
 
 def _qkv(heads, kv_heads, seq, dtype, seed=0):
@@ -51,7 +36,7 @@ def test_compiled_bf16_attention_equals_fp64_sdpa(heads, kv_heads):
     q, k, v = _qkv(heads, kv_heads, 24, torch.bfloat16)
     grad_out = torch.randn(2, heads, 24, 16).to(torch.bfloat16)
 
-    backend = _RecordingBackend()
+    backend = TracedOps()
 
     @torch.compile(backend=backend, fullgraph=True)
     def attend(q, k, v):
@@ -60,7 +45,7 @@ def test_compiled_bf16_attention_equals_fp64_sdpa(heads, kv_heads):
 
     out = attend(q, k, v)
     out.backward(grad_out)
-    assert backend.names and not backend.used_sdpa()  # the written path
+    assert backend.names and not backend.traced("scaled_dot_product")  # the written path
     ref_out, ref_grads = _fp64_reference(q, k, v, grad_out)
     # bf16 inputs and outputs: a few units in the last of bf16's 8 significant bits
     torch.testing.assert_close(out.double(), ref_out, rtol=0.02, atol=0.02)
@@ -80,10 +65,10 @@ def test_sdpa_everywhere_else(case):
     def attend(q, k, v):
         return scaled_dot_product(q, k, v, mask, dropout_p=dropout, enable_gqa=False)
 
-    backend = _RecordingBackend()
+    backend = TracedOps()
     if case == "eager":
         out = attend(q, k, v)  # eager: no dynamo graph; SDPA's backward node shows it
         assert "ScaledDotProduct" in type(out.grad_fn).__name__
     else:
         torch.compile(attend, backend=backend, fullgraph=True)(q, k, v).sum().backward()
-        assert backend.used_sdpa()
+        assert backend.traced("scaled_dot_product")
