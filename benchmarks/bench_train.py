@@ -23,7 +23,9 @@ ratio of step times (B's time over A's, i.e. A's speed-up) with its median, the 
 confidence interval and the spread: rounds are adjacent in time, so load from other processes
 hits both sides of a ratio alike.
 Usage: ``python benchmarks/bench_train.py [--models tiny,gpt2] [--rounds 5] [--rss]``.
-Allocator: ``--malloc tuned`` sets ``GLIBC_TUNABLES`` (mmap off, no trimming) in the children.
+Allocator: ``--malloc tuned`` sets ``GLIBC_TUNABLES`` (mmap off, no trimming) in the children,
+``--malloc live`` makes every block of 64 KiB or more its own mapping, so that their peak RSS
+is that of live memory; each child runs ``--rss-steps`` steps (10).
 Loss chunk: densetrain's loss runs 1,024 positions at a time; ``densetrain-fp32@512`` or
 ``densetrain-fp32@full`` (full logits) compares other chunks, e.g. ``--models tiny --variants
 densetrain-fp32,densetrain-fp32@full --ratios densetrain-fp32/densetrain-fp32@full``.
@@ -61,6 +63,11 @@ MODELS = {
                  vocab=8192, seq=256, batch=16),
 }
 TUNED_MALLOC = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296"
+# Every allocation of 64 KiB or more its own mapping, unmapped when freed: the children's peak
+# RSS is then the peak of live tensors (plus the small blocks glibc keeps), not of a heap that
+# the tuned allocator never returns and whose holes depend on the order of frees.
+LIVE_MALLOC = "glibc.malloc.mmap_threshold=65536"
+MALLOCS = {"default": None, "tuned": TUNED_MALLOC, "live": LIVE_MALLOC}
 
 
 def densetrain_config(spec: dict):
@@ -278,9 +285,11 @@ def run_child(variant: str, model_name: str, steps: int) -> dict:
 
 def _spawn_rss(variant: str, model_name: str, args: argparse.Namespace) -> float:
     env = dict(os.environ)
-    if args.malloc == "tuned":
-        env["GLIBC_TUNABLES"] = TUNED_MALLOC
-    cmd = [sys.executable, __file__, "--child", variant, "--models", model_name, "--rounds", "2"]
+    env.pop("GLIBC_TUNABLES", None)
+    if MALLOCS[args.malloc]:
+        env["GLIBC_TUNABLES"] = MALLOCS[args.malloc]
+    cmd = [sys.executable, __file__, "--child", variant, "--models", model_name,
+           "--rounds", str(args.rss_steps)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{variant} on {model_name} failed:\n{out.stderr[-3000:]}")
@@ -295,8 +304,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rss", action="store_true", help="peak RSS per variant (children)")
-    parser.add_argument("--malloc", choices=("default", "tuned"), default="default",
-                        help="allocator of the RSS children (timing uses this process's)")
+    parser.add_argument("--malloc", choices=tuple(MALLOCS), default="default",
+                        help="allocator of the RSS children (timing uses this process's): "
+                        "glibc's default, tuned (mmap off, no trimming: what densetrain train "
+                        "sets) or live (every block of 64 KiB or more unmapped when freed, so "
+                        "peak RSS follows live memory)")
+    parser.add_argument("--rss-steps", type=int, default=10,
+                        help="steps of each RSS child (the heap's peak creeps up over the "
+                        "first steps with the tuned allocator)")
     parser.add_argument("--child", default="")
     parser.add_argument("--json", default="", help="also write all results to this file")
     parser.add_argument("--ratios", default="",
