@@ -321,6 +321,8 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 del probs_CV  # an fp32 softmax of low-precision logits: freed once cast
                 h_acc_CE = h_CE.to(accumulate)
                 rows_CE = (p_CV @ w_VE if w_EV is None else matmul(p_CV, w_EV.t()))
+                if start + chunk_size >= hidden_NE.shape[0]:
+                    w_EV = None  # its last use: freed before the last weight-gradient product
                 rows_CE = rows_CE.to(accumulate).mul_(scale_C1)
                 rows_CE.sub_(w_VE[safe_t_C].to(accumulate) * weight_C1)
                 grad_hidden_NE[start : start + chunk_size] = rows_CE
