@@ -303,7 +303,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 else:
                     lse_C, logit_t_C, probs_CV = _softmax_and_lse(
                         logits_CV, safe_t_C, needs_grad,
-                        row_logits=lambda rows, h_CE=h_CE: linear(h_CE[rows], w_VE, b_V),
+                        row_logits=lambda rows, h_CE=h_CE, w_VE=w_VE: linear(h_CE[rows], w_VE, b_V),
                     )
                 del logits_CV  # overwritten by probs_CV (fp32 eager, compiled), or no longer needed
                 ce_sum += ((lse_C - logit_t_C) * v_C).sum()
@@ -321,10 +321,12 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 del probs_CV  # an fp32 softmax of low-precision logits: freed once cast
                 h_acc_CE = h_CE.to(accumulate)
                 rows_CE = (p_CV @ w_VE if w_EV is None else matmul(p_CV, w_EV.t()))
-                if start + chunk_size >= hidden_NE.shape[0]:
-                    w_EV = None  # its last use: freed before the last weight-gradient product
                 rows_CE = rows_CE.to(accumulate).mul_(scale_C1)
                 rows_CE.sub_(w_VE[safe_t_C].to(accumulate) * weight_C1)
+                if start + chunk_size >= hidden_NE.shape[0]:  # their last use: a copy of
+                    # the weight (wᵀ, or the low-precision w) is freed before the last
+                    # weight-gradient product
+                    w_EV = w_VE = None
                 grad_hidden_NE[start : start + chunk_size] = rows_CE
                 scaled_h_CE = (h_acc_CE * scale_C1).to(compute)
                 first = start == 0  # beta 0 / copy: the empty accumulator is never read
