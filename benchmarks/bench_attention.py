@@ -5,7 +5,8 @@ written-out attention that compiled low-precision CPU regions take
 Both sides are compiled (inductor) and take turns call by call (order reversed every round) on
 the same [batch, heads, S, head_dim] inputs; the table gives each side's median and the
 per-round speed-up of the written-out attention with its 95% interval.
-``COMPILED_CPU_ATTENTION_MAX_SEQ`` is chosen from this table.
+``COMPILED_CPU_ATTENTION_MAX_SEQ`` is chosen with this table and the written-out side's memory
+(it holds [batch, heads, S, S] probabilities per layer for backward).
 
 Usage: ``GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296
 python benchmarks/bench_attention.py [--seqs 256,512,1024] [--rounds 9]``.

@@ -86,7 +86,11 @@ def scaled_dot_product(
 
 
 COMPILED_CPU_ATTENTION_MAX_SEQ = 512
-"""Longest sequence (queries and keys) that `_compiled_cpu_attention` takes."""
+"""Longest sequence (queries and keys) that `_compiled_cpu_attention` takes. A memory bound,
+not a speed one: it is also faster than SDPA at 1,024 and 2,048 positions (1.4× on 2 AMD EPYC
+Zen 5 cores, benchmarks/bench_attention.py), but it holds [B, H, S, S] bf16 probabilities per
+layer for backward (at 1,024 positions, batch 8 and 12 heads, 200 MB a layer) where SDPA's
+flash kernel holds O(S)."""
 
 
 def _compiled_cpu_attention_applies(q_BHSK: torch.Tensor, k_BGTK: torch.Tensor,
@@ -110,8 +114,8 @@ def _compiled_cpu_attention(q_BHSK: torch.Tensor, k_BGTK: torch.Tensor,
     matmul rate, and for a short sequence its blocking buys nothing: the [S, S] scores of a
     head fit in cache. Written out, the products are bf16 matmuls (oneDNN) and inductor fuses
     scale, mask, softmax and the casts into one loop each way. Measured on 2 AMD EPYC Zen 5
-    cores, bf16, [8, 6, 256, 64] causal, forward + backward: about 6 ms against 21 ms for SDPA
-    (benchmarks/bench_attention.py, benchmarks/RESULTS.md). It holds the [B, H, S, S]
+    cores, bf16, [8, 6, 256, 64] causal, forward + backward: 2.7× SDPA (2.3× at 512 positions;
+    benchmarks/bench_attention.py, benchmarks/RESULTS.md). It holds the [B, H, S, S]
     probabilities for backward (6 MB a layer there), so it is taken up to
     ``COMPILED_CPU_ATTENTION_MAX_SEQ``.
     """
