@@ -31,10 +31,11 @@ def _fp64_reference(q, k, v, grad_out):
     return out.detach(), [t.grad for t in leaves]
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)])
-def test_compiled_bf16_attention_equals_fp64_sdpa(heads, kv_heads):
-    q, k, v = _qkv(heads, kv_heads, 24, torch.bfloat16)
-    grad_out = torch.randn(2, heads, 24, 16).to(torch.bfloat16)
+@pytest.mark.parametrize("heads,kv_heads,dtype", [(4, 4, torch.bfloat16), (4, 2, torch.bfloat16),
+                                                  (4, 1, torch.bfloat16), (4, 2, torch.float16)])
+def test_compiled_bf16_attention_equals_fp64_sdpa(heads, kv_heads, dtype):
+    q, k, v = _qkv(heads, kv_heads, 24, dtype)
+    grad_out = torch.randn(2, heads, 24, 16).to(dtype)
 
     backend = TracedOps()
 
