@@ -44,6 +44,8 @@ import time
 
 import torch
 
+from densetrain.train.host_malloc import TUNED_GLIBC_TUNABLES
+
 VARIANTS = {
     "densetrain-fp32": ("densetrain", "fp32", False),
     "densetrain-fp32-compile": ("densetrain", "fp32", True),
@@ -62,7 +64,7 @@ MODELS = {
     "tiny": dict(family="llama", dim=128, num_layers=4, num_heads=4, kv_heads=2, ffn=352,
                  vocab=8192, seq=256, batch=16),
 }
-TUNED_MALLOC = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296"
+TUNED_MALLOC = TUNED_GLIBC_TUNABLES  # what `densetrain train` sets for itself
 # Every allocation of 64 KiB or more its own mapping, unmapped when freed: the children's peak
 # RSS is then the peak of live tensors (plus the small blocks glibc keeps), not of a heap that
 # the tuned allocator never returns and whose holes depend on the order of frees.
