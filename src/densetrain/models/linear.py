@@ -10,7 +10,12 @@ CPU (`onednn_reduction_limit`):
   0.36-0.44 TFLOP/s against MKL's 0.15-0.19 for every matmul of a GPT's training step (forward,
   input and weight gradients, output head; benchmarks/RESULTS.md). There every fp32 matmul of
   `linear` and of `matmul` goes to oneDNN.
-* Elsewhere (AVX2 CPUs, Intel CPUs, whose MKL path is native) a matmul goes to oneDNN when its
+* On Intel CPUs with AVX-512, MKL's sgemm is native and at least level with oneDNN at every
+  reduction: measured on 2 cores of an AMX Xeon (2026-12-02, tuned allocator, [2048 × K] @
+  [K × 1536] / [K × 384] and [1024 × K] @ [K × 50,304], K 64-2048), oneDNN/MKL speed 0.73-1.05
+  in all but one of 24 cells (1.12 at K 64), 0.87-0.94 on the GPT-2-shaped step's own matmuls.
+  There every fp32 matmul stays on MKL.
+* Elsewhere (AVX2 CPUs; CPUs of unknown vendor) a matmul goes to oneDNN when its
   reduction is at most ``ONEDNN_AVX2_MAX_REDUCTION``. Measured on 2 AMD EPYC cores (AVX2),
   [2048 × K] @ [K × 1536], both libraries alternating: oneDNN/MKL speed 1.08 (K 128-256), 1.17
   (384), 1.30 (512), 1.20 (768), 1.03 (1024); MKL is ahead from K ≈ 1500 on (0.93 at K 50,304).
@@ -39,7 +44,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 ONEDNN_AVX2_MAX_REDUCTION = 768
-"""Largest reduction (inner) dimension sent to oneDNN on CPUs where MKL is native."""
+"""Largest reduction (inner) dimension sent to oneDNN on AVX2 CPUs and CPUs of unknown vendor."""
 
 
 def cpu_vendor() -> str:
@@ -58,9 +63,13 @@ def cpu_vendor() -> str:
 def onednn_reduction_limit(vendor: str, capability: str) -> int | None:
     """The largest reduction `linear` and `matmul` send to oneDNN on a CPU of ``vendor`` whose
     PyTorch ``capability`` (``torch.backends.cpu.get_cpu_capability()``) is given; None: every
-    reduction (AVX-512 CPUs not made by Intel, where MKL runs its AVX2 code)."""
-    if capability.startswith("AVX512") and vendor not in ("GenuineIntel", ""):
-        return None
+    reduction (AVX-512 CPUs not made by Intel, where MKL runs its AVX2 code); 0: none (Intel
+    CPUs with AVX-512, where MKL's own AVX-512 code is the faster one)."""
+    if capability.startswith("AVX512"):
+        if vendor == "GenuineIntel":
+            return 0
+        if vendor:
+            return None
     return ONEDNN_AVX2_MAX_REDUCTION
 
 

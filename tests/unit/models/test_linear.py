@@ -24,9 +24,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=[ONEDNN_AVX2_MAX_REDUCTION, None], ids=["limit768", "unbounded"])
+@pytest.fixture(params=[ONEDNN_AVX2_MAX_REDUCTION, None, 0],
+                ids=["limit768", "unbounded", "mkl-only"])
 def reduction_limit(request, monkeypatch):
-    """Both routing policies on any CPU: the AVX2 / Intel limit and AVX-512 AMD's none."""
+    """The three routing policies on any CPU: the AVX2 limit, AVX-512 AMD's none (all
+    oneDNN) and AVX-512 Intel's 0 (all MKL)."""
     monkeypatch.setattr(linear_module, "ONEDNN_MAX_REDUCTION", request.param)
     return request.param
 
@@ -81,10 +83,11 @@ def test_linear_is_an_nn_linear_with_the_same_state_dict():
 
 def test_the_routing_policy_per_cpu():
     """MKL runs AVX2 code on AVX-512 CPUs of other vendors (AMD Zen 4 / 5): every reduction
-    goes to oneDNN there; elsewhere the short ones only."""
+    goes to oneDNN there; none on Intel's AVX-512 CPUs (MKL native); elsewhere the short ones."""
     assert onednn_reduction_limit("AuthenticAMD", "AVX512") is None
     assert onednn_reduction_limit("AuthenticAMD", "AVX2") == ONEDNN_AVX2_MAX_REDUCTION
-    assert onednn_reduction_limit("GenuineIntel", "AVX512") == ONEDNN_AVX2_MAX_REDUCTION
+    assert onednn_reduction_limit("GenuineIntel", "AVX512") == 0
+    assert onednn_reduction_limit("GenuineIntel", "AVX2") == ONEDNN_AVX2_MAX_REDUCTION
     assert onednn_reduction_limit("", "AVX512") == ONEDNN_AVX2_MAX_REDUCTION  # unknown vendor
     assert onednn_reduction_limit("AuthenticAMD", "DEFAULT") == ONEDNN_AVX2_MAX_REDUCTION
 
@@ -106,7 +109,7 @@ def test_matmul_equals_fp64_and_follows_the_rule(reduction_limit):
 
 def test_other_dtypes_autocast_compile_and_long_reductions_keep_f_linear(reduction_limit):
     x, w = torch.randn(4, 16), torch.randn(8, 16)
-    assert uses_onednn(x, w)
+    assert uses_onednn(x, w) == (reduction_limit != 0)
     assert not uses_onednn(x.double(), w.double())
     assert not uses_onednn(x.to("meta"), w.to("meta"))  # any other device: CUDA's own GEMMs
     assert Linear(16, 8, device="meta")(x.to("meta")).device.type == "meta"
@@ -140,11 +143,14 @@ def test_flop_counter_counts_the_onednn_matmuls_like_aten_ones():
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
-def test_checkpointed_blocks_recompute_what_aten_matmuls_would(mode):
+def test_checkpointed_blocks_recompute_what_aten_matmuls_would(mode, monkeypatch):
     """Selective checkpointing saves the oneDNN matmuls like aten ones (no matmul recomputed);
     full checkpointing runs aten matmuls, so torch's early stop still skips the block's last
     matmul: the FLOP counts equal those of the same model with every linear on aten."""
     from densetrain.models import ModelConfig, Transformer
+
+    # the AVX2 policy on any CPU: this model's short reductions go to oneDNN
+    monkeypatch.setattr(linear_module, "ONEDNN_MAX_REDUCTION", ONEDNN_AVX2_MAX_REDUCTION)
     from densetrain.parallel.checkpointing import apply_activation_checkpointing
 
     cfg = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, ffn_dim=64,
