@@ -74,6 +74,11 @@ def accelerator_peak_flops(device_name: str, dtype: str) -> float | None:
     return (bf16 if dtype == "bf16" else fp32) * 1e12
 
 
+PROBE_LARGER_MAX_S = 0.025
+"""The longest one matmul of the doubled probe size may take for `measure_cpu_peak_flops` to
+probe that size as well."""
+
+
 def measure_cpu_peak_flops(dtype: str = "fp32", *, size: int = 1024, runs: int = CPU_PROBE_RUNS,
                            seconds_per_run: float = 0.06, pause_s: float = 0.02,
                            fresh: bool = False) -> float:
@@ -84,9 +89,14 @@ def measure_cpu_peak_flops(dtype: str = "fp32", *, size: int = 1024, runs: int =
     ``seconds_per_run`` as one rate, with a pause between runs; the best run is the peak. One
     run on a machine shared with other work reads low when a neighbour is busy at that moment
     (and MFU against it then reads high); the best of several spaced runs is the rate this CPU
-    reaches when it is free. Cached per (dtype, threads). ``size`` 1024 keeps the probe in
-    cache-friendly, MKL/oneDNN peak territory. ``fresh`` measures again and replaces the cached
-    figure (a benchmark's probe after its runs).
+    reaches when it is free. Cached per (dtype, threads). ``fresh`` measures again and replaces
+    the cached figure (a benchmark's probe after its runs).
+
+    ``size`` 1024 is MKL's and AVX-512 oneDNN's peak territory, but not AMX's: on 2 cores of an
+    AMX Xeon, bf16, 1,024² runs at 1.27 TFLOP/s and 2,048² at 2.25 (3,072²: 2.14; fp32 0.34 at
+    every size). So where a matmul of twice ``size`` takes at most `PROBE_LARGER_MAX_S` at the
+    first rate, that size is probed too and the better rate is the peak; slow modes (fp32 on
+    2 cores, bf16 without bf16 instructions) keep the short probe.
     """
     threads = torch.get_num_threads()
     key = (dtype, threads)
@@ -99,6 +109,17 @@ def measure_cpu_peak_flops(dtype: str = "fp32", *, size: int = 1024, runs: int =
     # what autocast runs; on a CPU without oneDNN bf16 kernels, torch.mm of two row-major bf16
     # matrices takes a slower loop than the layers' own matmuls (2 AMD EPYC cores, AVX2, 1024³:
     # 0.0008 against 0.016 TFLOP/s), which would read as an MFU of several hundred percent.
+    peak = _probe_square_matmuls(size, torch_dtype, runs, seconds_per_run, pause_s)
+    if 2.0 * (2 * size) ** 3 / peak <= PROBE_LARGER_MAX_S:
+        peak = max(peak, _probe_square_matmuls(2 * size, torch_dtype, runs, seconds_per_run,
+                                               pause_s))
+    _CPU_PEAK_CACHE[key] = peak
+    return peak
+
+
+def _probe_square_matmuls(size: int, torch_dtype: torch.dtype, runs: int,
+                          seconds_per_run: float, pause_s: float) -> float:
+    """Best FLOP/s of ``runs`` timed runs of back-to-back ``size``² `linear` matmuls."""
     from densetrain.models.linear import linear
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=gen).to(torch_dtype)
@@ -114,9 +135,7 @@ def measure_cpu_peak_flops(dtype: str = "fp32", *, size: int = 1024, runs: int =
             linear(a, b)
             matmuls += 1
         best_rate = max(best_rate, matmuls / (time.perf_counter() - start))
-    peak = 2.0 * size**3 * best_rate
-    _CPU_PEAK_CACHE[key] = peak
-    return peak
+    return 2.0 * size**3 * best_rate
 
 
 def device_peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:

@@ -11,8 +11,21 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import densetrain.models.loss as loss_module
 from densetrain.models.loss import chunked_lm_loss, cross_entropy_loss
 from densetrain.testing import OpNames
+
+
+@pytest.fixture(params=[False, True], ids=["VE-head", "EV-head"])
+def head_layout(request, monkeypatch):
+    """Both low-precision CPU head layouts on any CPU: the [V, E] weight with one input-gradient
+    product, and AMX's contiguous [E, V] copy (`TRANSPOSED_LOW_PRECISION_HEAD`) with the input
+    gradient summed over blocks of vocab rows; blocks small enough here that the small
+    vocabularies of these tests span several."""
+    monkeypatch.setattr(loss_module, "TRANSPOSED_LOW_PRECISION_HEAD", request.param)
+    monkeypatch.setattr(loss_module, "DX_BLOCK", 40)
+    monkeypatch.setattr(loss_module, "TRANSPOSE_ROWS", 24)
+    return request.param
 
 
 def _data(vocab=50, tokens=(3, 7), ignore_every=4):
@@ -151,9 +164,10 @@ def test_chunked_without_grad_and_bad_chunk_size():
         chunked_lm_loss(hidden, weight, targets, vocab_size=11, chunk_size=4)
 
 
-def test_chunked_under_bf16_autocast_runs_its_matmuls_in_bf16():
-    """Under autocast the three matmuls of every chunk (logits, grad of hidden, grad of weight)
-    run in bf16 and the gradients match autocast's own linear + cross-entropy."""
+def test_chunked_under_bf16_autocast_runs_its_matmuls_in_bf16(head_layout):
+    """Under autocast the three matmuls of every chunk (logits, grad of hidden, grad of weight;
+    the grad of hidden in three blocks of vocab rows on the [E, V] head) run in bf16 and the
+    gradients match autocast's own linear + cross-entropy."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class MatmulDtypes(TorchDispatchMode):
@@ -179,7 +193,8 @@ def test_chunked_under_bf16_autocast_runs_its_matmuls_in_bf16():
     with torch.autocast("cpu", dtype=torch.bfloat16), mode:
         chunked = chunked_lm_loss(hidden, weight, targets, vocab_size=vocab, chunk_size=32)
     grads = torch.autograd.grad(chunked.loss, [hidden, weight])
-    assert len(mode.seen) == 3 * 3  # 80 tokens in chunks of 32: three chunks, three matmuls
+    per_chunk = 2 + (3 if head_layout else 1)  # vocab 96 in blocks of 40 rows: 3 products
+    assert len(mode.seen) == 3 * per_chunk  # 80 tokens in chunks of 32: three chunks
     assert all(dtypes == {torch.bfloat16} for dtypes in mode.seen), mode.seen
     torch.testing.assert_close(chunked.loss, reference.loss, rtol=1e-3, atol=1e-3)
     assert grads[0].dtype == torch.float32 and grads[1].dtype == torch.float32
@@ -187,7 +202,7 @@ def test_chunked_under_bf16_autocast_runs_its_matmuls_in_bf16():
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
 
 
-def test_compiled_chunk_kernel_equals_eager_under_autocast():
+def test_compiled_chunk_kernel_equals_eager_under_autocast(head_layout):
     """With bf16 logits the torch.compile'd per-chunk kernel gives the eager kernel's loss, and
     its gradients to bf16 rounding (it rounds the unnormalised exponentials, the eager kernel
     the probabilities): both against the fp32 loss (fp32 logits always take the eager
@@ -335,7 +350,7 @@ class _LiveBuffers(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-def test_the_chunked_loss_holds_one_chunk_of_probabilities_at_a_time(autocast):
+def test_the_chunked_loss_holds_one_chunk_of_probabilities_at_a_time(autocast, head_layout):
     """However many chunks, at most one [C, V] buffer of the logits' size is alive at a time in
     fp32 (the softmax overwrites the logits), two under bf16 autocast (the bf16 logits or
     probabilities beside the fp32 softmax); every other tensor here is smaller than a chunk."""
@@ -366,3 +381,21 @@ def test_a_second_backward_through_the_chunked_loss_fails_loudly():
     torch.testing.assert_close(weight.grad, expected[1])
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.loss.backward()
+
+
+def test_the_transposing_cast_and_the_blocked_input_gradient(monkeypatch):
+    """The [E, V] copy written a block of rows at a time is the weight's transpose, exactly; the
+    input gradient summed over blocks of vocab rows is p @ w to the rounding of its bf16
+    partial products (fp64 reference)."""
+    monkeypatch.setattr(loss_module, "TRANSPOSE_ROWS", 7)
+    monkeypatch.setattr(loss_module, "DX_BLOCK", 13)
+    torch.manual_seed(5)
+    weight = torch.randn(50, 6)
+    weight_EV = loss_module._transposed_cast(weight, torch.bfloat16)
+    assert weight_EV.is_contiguous() and weight_EV.shape == (6, 50)
+    assert torch.equal(weight_EV, weight.t().to(torch.bfloat16))
+    probs = torch.softmax(torch.randn(9, 50), dim=-1).to(torch.bfloat16)
+    rows = loss_module._blocked_input_grad(probs, weight_EV, torch.float32)
+    assert rows.dtype == torch.float32
+    exact = probs.double() @ weight_EV.double().t()
+    torch.testing.assert_close(rows.double(), exact, rtol=0, atol=2**-8 * exact.abs().max())

@@ -51,6 +51,26 @@ def test_cpu_probe_is_a_plausible_matmul_rate_and_says_how_it_was_found() -> Non
     assert math.isnan(mfu(100.0, 1e6, math.nan, 1))
 
 
+def test_the_probe_adds_the_doubled_size_only_where_one_matmul_of_it_is_quick(monkeypatch):
+    """AMX reaches its bf16 rate only on larger matmuls than MKL's fp32 peak needs: the doubled
+    size is probed when one matmul of it takes at most PROBE_LARGER_MAX_S at the first rate."""
+    from densetrain.train import metrics
+
+    monkeypatch.setattr(metrics, "_CPU_PEAK_CACHE", {})  # restored afterwards
+    for first, sizes in [(1e12, [256, 512]), (2 * 512**3 / 0.03, [256])]:
+        seen = []
+        rates = {256: first, 512: 2 * first}
+
+        def probe(size, *args, seen=seen, rates=rates):
+            seen.append(size)
+            return rates[size]
+
+        monkeypatch.setattr(metrics, "_probe_square_matmuls", probe)
+        peak = measure_cpu_peak_flops("bf16", size=256, fresh=True)
+        assert seen == sizes
+        assert peak == rates[sizes[-1]]
+
+
 @pytest.mark.skipif(torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                     reason="this CPU has oneDNN bf16 kernels")
 def test_a_cpu_without_bf16_kernels_warns_a_bf16_run_and_takes_its_fp32_peak() -> None:
