@@ -384,7 +384,8 @@ def test_a_second_backward_through_the_chunked_loss_fails_loudly():
 
 
 def test_the_transposing_cast_and_the_blocked_input_gradient(monkeypatch):
-    """The [E, V] copy written a block of rows at a time is the weight's transpose, exactly; the
+    """The [E, V] copy written a block of rows at a time (or by inductor) is the weight's
+    transpose, exactly; the
     input gradient summed over blocks of vocab rows is p @ w to the rounding of its bf16
     partial products (fp64 reference)."""
     monkeypatch.setattr(loss_module, "TRANSPOSE_ROWS", 7)
@@ -394,6 +395,8 @@ def test_the_transposing_cast_and_the_blocked_input_gradient(monkeypatch):
     weight_EV = loss_module._transposed_cast(weight, torch.bfloat16)
     assert weight_EV.is_contiguous() and weight_EV.shape == (6, 50)
     assert torch.equal(weight_EV, weight.t().to(torch.bfloat16))
+    compiled_EV = loss_module.compiled_transposed_cast()(weight, torch.bfloat16)
+    assert compiled_EV.is_contiguous() and torch.equal(compiled_EV, weight_EV)
     probs = torch.softmax(torch.randn(9, 50), dim=-1).to(torch.bfloat16)
     rows = loss_module._blocked_input_grad(probs, weight_EV, torch.float32)
     assert rows.dtype == torch.float32
