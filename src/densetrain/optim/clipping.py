@@ -61,7 +61,7 @@ def clip_grad_norm_(
             total = total ** norm_type
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
             total = total ** (1.0 / norm_type)
-    if max_norm > 0:
+    if 0 < max_norm < math.inf:  # an infinite bound would multiply every gradient by 1
         for kind in (True, False):
             group = [p for p in params if isinstance(p.grad, DTensor) is kind]
             if group:

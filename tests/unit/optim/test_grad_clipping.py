@@ -98,3 +98,60 @@ def test_dtensor_shards_clip_like_the_full_gradients():
         assert fsdp_total == pytest.approx(model_total, rel=1e-5)
         for got, expected in zip(fsdp_grads, model.parameters(), strict=True):
             torch.testing.assert_close(got, expected.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("max_norm", [0.3, 1e6])  # clipping, and a bound above the norm
+def test_a_fused_adamw_scales_by_the_clip_in_its_own_step(max_norm):
+    """Over torch's fused AdamW the clip's scale rides on the update (StandardOptimizer passes
+    it as the optimizer's grad_scale): parameters, moments and the gradients left behind match
+    torch's clip_grad_norm_ followed by the same AdamW step, to one rounding of the scale."""
+    from densetrain.optim.interface import StandardOptimizer
+
+    model = nn.Linear(4, 6)
+    ours = [model.weight, model.bias]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    opt = StandardOptimizer(model, torch.optim.AdamW(ours, lr=0.1, fused=True))
+    reference = torch.optim.AdamW(theirs, lr=0.1, fused=True)
+    assert opt._clips_in_step(ours)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for mine, ref in zip(ours, theirs, strict=True):
+            mine.grad = torch.randn(mine.shape, generator=gen) * 2
+            ref.grad = mine.grad.clone()
+        unscaled = [p.grad.clone() for p in ours]
+        norm = opt.clip_grad_norm_(max_norm)
+        assert all(torch.equal(p.grad, g) for p, g in zip(ours, unscaled, strict=True))
+        ref_norm = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
+        opt.step()
+        reference.step()
+        assert not hasattr(opt.torch_optimizer, "grad_scale")
+        for mine, ref in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(mine.grad, ref.grad, rtol=1e-6, atol=0)
+            torch.testing.assert_close(mine, ref, rtol=1e-6, atol=1e-7)
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(opt.torch_optimizer.state[mine][key],
+                                           reference.state[ref][key], rtol=1e-5, atol=0)
+        opt.zero_grad()
+        reference.zero_grad()
+
+
+def test_dropped_gradients_drop_the_pending_clip_and_other_optimizers_clip_at_once():
+    from densetrain.optim.interface import StandardOptimizer
+
+    model = nn.Linear(4, 6)
+    opt = StandardOptimizer(model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=True))
+    model.weight.grad = torch.full((6, 4), 3.0)
+    model.bias.grad = torch.full((6,), 3.0)
+    opt.clip_grad_norm_(0.5)
+    opt.zero_grad()  # a skipped step: the clip measured for these gradients goes with them
+    assert opt._grad_scale is None
+    foreach = StandardOptimizer(model, torch.optim.AdamW(model.parameters(), lr=0.1,
+                                                         foreach=True))
+    model.weight.grad = torch.full((6, 4), 3.0)
+    model.bias.grad = torch.full((6,), 3.0)
+    assert not foreach._clips_in_step(list(model.parameters()))
+    norm = foreach.clip_grad_norm_(0.5)
+    assert float(norm) == pytest.approx(3.0 * math.sqrt(30))
+    clipped = math.sqrt(sum(float((p.grad ** 2).sum()) for p in model.parameters()))
+    assert clipped == pytest.approx(0.5, rel=1e-5)  # scaled in the clip itself
