@@ -8,8 +8,8 @@ reduction size and in the whole training step.
    weight gradients, output head), MKL (``@``) against oneDNN in the operand layouts that
    `densetrain.models.linear` passes it, alternating call by call.
 3. The densetrain training step (``--models``, ``bench_train``'s shapes) with its linears as they
-   are, against the same step with the AVX2 rule (``ONEDNN_AVX2_MAX_REDUCTION``: what CPUs where
-   MKL is native get) and inside `aten_matmuls` (every linear on MKL), taking turns step by
+   are, against the same step with the AVX2 rule (``ONEDNN_AVX2_MAX_REDUCTION``: what AVX2 CPUs
+   get) and inside `aten_matmuls` (every linear on MKL), taking turns step by
    step (order reversed each round): the per-round speed-ups with their 95% intervals.
 
 Usage: ``GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296
