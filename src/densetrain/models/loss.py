@@ -193,15 +193,16 @@ def _amx_cpu() -> bool:
 
 
 TRANSPOSED_LOW_PRECISION_HEAD: bool = _amx_cpu()
-"""Whether low-precision (bf16 / fp16) CPU output heads of `chunked_lm_loss` work from one
-contiguous [E, V] copy of the weight instead of the [V, E] one (True on CPUs with AMX).
+"""Whether bf16 CPU output heads of `chunked_lm_loss` work from one contiguous [E, V] copy of
+the weight instead of the [V, E] one (True on CPUs with AMX).
 
 oneDNN's AMX matmuls are fast only when neither operand is a transposed view. On 2 cores of an
 AMX Xeon, bf16, 1,024 tokens × 50,304 classes × width 384: the logits h @ wᵀ 28 ms from the
 [V, E] weight against 14 ms from a contiguous [E, V] one; the input gradient p @ w 42-46 ms
 in one product against 26-27 ms as a sum of products over blocks of `DX_BLOCK` vocab rows
 (either weight layout). The transposing copy costs 18.5 ms a step (against 5.9 ms for the
-plain cast), so a step of two chunks saves about 50 ms. CPUs without AMX keep the [V, E]
+plain cast), so a step of two chunks saves about 50 ms. fp16, which AMX-BF16 does not run
+(0.31 TFLOP/s here either way), and CPUs without AMX keep the [V, E]
 layout and one input-gradient product, as measured there. Runs that compile make the copy
 with inductor (`compiled_transposed_cast`)."""
 
@@ -349,9 +350,9 @@ class _ChunkedLMLoss(torch.autograd.Function):
             b_V = bias_V.to(compute) if bias_V is not None else None
             low_precision = torch.finfo(compute).bits < 32
             compiled_kernel = compiled_chunk_kernel() if compiled and low_precision else None
-            # Low precision on an AMX CPU: every product from one contiguous [E, V] copy of
-            # the weight (`TRANSPOSED_LOW_PRECISION_HEAD`), no [V, E] one.
-            transposed = (TRANSPOSED_LOW_PRECISION_HEAD and low_precision
+            # bf16 on an AMX CPU: every product from one contiguous [E, V] copy of the weight
+            # (`TRANSPOSED_LOW_PRECISION_HEAD`), no [V, E] one.
+            transposed = (TRANSPOSED_LOW_PRECISION_HEAD and compute == torch.bfloat16
                           and device_type == "cpu")
             w_VE = None if transposed else weight_VE.to(compute)
             # fp32 CPU gradient matmuls on oneDNN where it is the faster library (linear.py):
