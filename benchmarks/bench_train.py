@@ -298,6 +298,27 @@ def _spawn_rss(variant: str, model_name: str, args: argparse.Namespace) -> float
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_gib"]
 
 
+def machine_line() -> str:
+    """What the results depend on: the CPU's name and vendor, its matmul instruction sets as
+    torch sees them, threads, torch, the allocator tunables of this process."""
+    import platform
+
+    from densetrain.models.linear import cpu_vendor
+
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            name = next((line.split(":", 1)[1].strip() for line in info
+                         if line.startswith("model name")), name)
+    except OSError:
+        pass
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return (f"machine: {name} ({cpu_vendor() or 'unknown vendor'}), torch CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}, AMX {'yes' if amx else 'no'}, "
+            f"{torch.get_num_threads()} threads, torch {torch.__version__}, GLIBC_TUNABLES="
+            f"{os.environ.get('GLIBC_TUNABLES', '(unset)')}")
+
+
 def main() -> None:
     """Parse arguments; time the variants alternating in this process; optionally measure RSS."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -326,6 +347,8 @@ def main() -> None:
         return
     from densetrain.models import flops_per_token_palm
     from densetrain.train.metrics import measure_cpu_peak_flops
+
+    print(machine_line(), flush=True)
 
     def probe() -> dict[str, float]:
         found = {d: measure_cpu_peak_flops(d, runs=10, seconds_per_run=0.2, fresh=True)
