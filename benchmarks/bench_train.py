@@ -303,18 +303,11 @@ def machine_line() -> str:
     torch sees them, threads, torch, the allocator tunables of this process."""
     import platform
 
-    from densetrain.models.linear import cpu_vendor
+    from densetrain.models.linear import cpu_has_amx, cpu_vendor, cpuinfo_field
 
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            name = next((line.split(":", 1)[1].strip() for line in info
-                         if line.startswith("model name")), name)
-    except OSError:
-        pass
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    name = cpuinfo_field("model name") or platform.processor() or platform.machine()
     return (f"machine: {name} ({cpu_vendor() or 'unknown vendor'}), torch CPU capability "
-            f"{torch.backends.cpu.get_cpu_capability()}, AMX {'yes' if amx else 'no'}, "
+            f"{torch.backends.cpu.get_cpu_capability()}, AMX {'yes' if cpu_has_amx() else 'no'}, "
             f"{torch.get_num_threads()} threads, torch {torch.__version__}, GLIBC_TUNABLES="
             f"{os.environ.get('GLIBC_TUNABLES', '(unset)')}")
 

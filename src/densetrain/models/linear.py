@@ -47,17 +47,31 @@ ONEDNN_AVX2_MAX_REDUCTION = 768
 """Largest reduction (inner) dimension sent to oneDNN on AVX2 CPUs and CPUs of unknown vendor."""
 
 
-def cpu_vendor() -> str:
-    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...; "" if unknown)."""
+def cpuinfo_field(key: str) -> str:
+    """The first ``key`` entry of ``/proc/cpuinfo`` (e.g. ``vendor_id``, ``model name``); ""
+    where there is none (other operating systems)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
             for line in info:
-                if line.startswith("vendor_id"):
+                if line.startswith(key):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return ""
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...; "" if unknown)."""
+    if vendor := cpuinfo_field("vendor_id"):
+        return vendor
     processor = platform.processor()  # e.g. "AMD64 Family 25 Model 17 Stepping 1, AuthenticAMD"
     return next((v for v in ("GenuineIntel", "AuthenticAMD", "HygonGenuine") if v in processor), "")
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (torch's own CPUID check; False where torch lacks it)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe is not None and probe())
 
 
 def onednn_reduction_limit(vendor: str, capability: str) -> int | None:

@@ -12,13 +12,14 @@ V vocab_size, P padded vocab rows.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from densetrain.models.linear import linear, matmul, matmul_uses_onednn
+from densetrain.models.linear import cpu_has_amx, linear, matmul, matmul_uses_onednn
 
 
 class LossOutput(NamedTuple):
@@ -146,9 +147,7 @@ def _exponentials_into_logits(logits_CV: torch.Tensor, targets_C: torch.Tensor,
     return max_C1, logit_t_C, sum_C
 
 
-_COMPILED_KERNEL = None
-
-
+@functools.cache
 def compiled_chunk_kernel():
     """The per-chunk kernel of low-precision logits through ``torch.compile`` (built once, on
     first use): `_exponentials_into_logits`, returning ``(lse, target logit, exponentials,
@@ -167,19 +166,16 @@ def compiled_chunk_kernel():
     well and needs no compilation (same host, [1,024 × 50,304] fp32: 14.8 ms eager, 14.4 ms
     for this kernel compiled).
     """
-    global _COMPILED_KERNEL
-    if _COMPILED_KERNEL is None:
-        compiled = torch.compile(_exponentials_into_logits, dynamic=False)
+    compiled = torch.compile(_exponentials_into_logits, dynamic=False)
 
-        def kernel(logits_CV: torch.Tensor, targets_C: torch.Tensor, needs_grad: bool):
-            first_C, logit_t_C, sum_C = compiled(logits_CV, targets_C, needs_grad)
-            if not needs_grad:  # first_C: log Z
-                return first_C, logit_t_C, None, None
-            lse_C = first_C.squeeze(1) + torch.log(sum_C)
-            return lse_C, logit_t_C, logits_CV, torch.reciprocal(sum_C)
+    def kernel(logits_CV: torch.Tensor, targets_C: torch.Tensor, needs_grad: bool):
+        first_C, logit_t_C, sum_C = compiled(logits_CV, targets_C, needs_grad)
+        if not needs_grad:  # first_C: log Z
+            return first_C, logit_t_C, None, None
+        lse_C = first_C.squeeze(1) + torch.log(sum_C)
+        return lse_C, logit_t_C, logits_CV, torch.reciprocal(sum_C)
 
-        _COMPILED_KERNEL = kernel
-    return _COMPILED_KERNEL
+    return kernel
 
 
 WGRAD_ROWS = 4096
@@ -187,12 +183,7 @@ WGRAD_ROWS = 4096
 [1,024 tokens × 50,304] probabilities: 113 ms for two chunks against 115 ms in one matmul)."""
 
 
-def _amx_cpu() -> bool:
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # torch's own CPUID check
-    return bool(probe is not None and probe())
-
-
-TRANSPOSED_LOW_PRECISION_HEAD: bool = _amx_cpu()
+TRANSPOSED_LOW_PRECISION_HEAD: bool = cpu_has_amx()
 """Whether bf16 CPU output heads of `chunked_lm_loss` work from one contiguous [E, V] copy of
 the weight instead of the [V, E] one (True on CPUs with AMX).
 
@@ -225,18 +216,13 @@ def _transposed_cast(weight_VE: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     return weight_EV
 
 
-_COMPILED_TRANSPOSE = None
-
-
+@functools.cache
 def compiled_transposed_cast():
     """`_transposed_cast` through ``torch.compile`` (built once, on first use), for runs that
     compile: inductor's tiled transpose, 12 ms against 18.5 ms for the blocked copies (50,304
     × 384 fp32 into bf16, 2 cores of an AMX Xeon)."""
-    global _COMPILED_TRANSPOSE
-    if _COMPILED_TRANSPOSE is None:
-        _COMPILED_TRANSPOSE = torch.compile(
-            lambda weight_VE, dtype: weight_VE.t().to(dtype).contiguous(), dynamic=False)
-    return _COMPILED_TRANSPOSE
+    return torch.compile(lambda weight_VE, dtype: weight_VE.t().to(dtype).contiguous(),
+                         dynamic=False)
 
 
 def _blocked_input_grad(p_CV: torch.Tensor, w_EV: torch.Tensor,

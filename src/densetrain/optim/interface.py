@@ -140,8 +140,7 @@ class StandardOptimizer(TrainingOptimizer):
 
         params = [p for g in self.torch_optimizer.param_groups for p in g["params"]]
         self._grad_scale = None
-        if 0 < max_norm < math.inf and self._clips_in_step(
-                [p for p in params if p.grad is not None]):
+        if 0 < max_norm < math.inf and self._clips_in_step(params):
             total = clip_grad_norm_(params, 0.0, pp_group=self.norm_group)
             coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             self._grad_scale = torch.reciprocal(coefficient)
