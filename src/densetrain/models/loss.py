@@ -452,10 +452,17 @@ class _ChunkedLMLoss(torch.autograd.Function):
         grad_hidden_NE, grad_weight_PE, grad_bias_P = ctx.saved_tensors
         # Scaled in place: the saved gradients are used once, and a [P, E] copy of the output
         # weight's would raise the peak (77 MB for a 50k × 384 fp32 head). A second backward
-        # through this graph (retain_graph) fails loudly on their version counters.
-        grad_hidden = grad_hidden_NE.mul_(grad_loss.to(grad_hidden_NE.dtype))
-        grad_weight = grad_weight_PE.mul_(grad_loss).to(ctx.weight_dtype)
+        # through this graph (retain_graph) fails loudly on their version counters. A CPU
+        # loss seeded with exactly 1 (a plain `loss.backward()`) skips the multiplications:
+        # reading that one value costs nothing there, and saves a pass over the head's
+        # gradient (3 ms of a 0.47 s bf16 step); elsewhere the check would be a device sync.
+        unscaled = grad_loss.device.type == "cpu" and bool(grad_loss == 1)
+        grad_hidden = (grad_hidden_NE if unscaled
+                       else grad_hidden_NE.mul_(grad_loss.to(grad_hidden_NE.dtype)))
+        grad_weight = (grad_weight_PE if unscaled
+                       else grad_weight_PE.mul_(grad_loss)).to(ctx.weight_dtype)
         grad_bias = None
         if grad_bias_P is not None:
-            grad_bias = grad_bias_P.mul_(grad_loss).to(ctx.weight_dtype)
+            grad_bias = (grad_bias_P if unscaled
+                         else grad_bias_P.mul_(grad_loss)).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None

@@ -383,6 +383,25 @@ def test_a_second_backward_through_the_chunked_loss_fails_loudly():
         out.loss.backward()
 
 
+def test_unit_seeded_backwards_leave_the_saved_gradients_whole():
+    """A backward seeded with 1 returns the saved gradients unscaled (on the CPU no pass over
+    them). Through a retained graph the second backward still sums right; the gradients it
+    accumulated into are the saved ones, so a third must raise rather than read them."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 8, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    targets = torch.randint(0, 40, (2, 8))
+    out = chunked_lm_loss(hidden, weight, targets, vocab_size=40, chunk_size=4)
+    reference = cross_entropy_loss(F.linear(hidden, weight), targets).loss
+    expected = torch.autograd.grad(reference, [hidden, weight])
+    out.loss.backward(retain_graph=True)
+    out.loss.backward(retain_graph=True)
+    torch.testing.assert_close(hidden.grad, 2 * expected[0])
+    torch.testing.assert_close(weight.grad, 2 * expected[1])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (out.loss * 3).backward()
+
+
 def test_the_transposing_cast_and_the_blocked_input_gradient(monkeypatch):
     """The [E, V] copy written a block of rows at a time (or by inductor) is the weight's
     transpose, exactly; the
