@@ -328,6 +328,21 @@ def test_the_chunk_kernel_reads_no_value_off_the_cpu(monkeypatch):
     assert lse.shape == (4,) and logit_t.shape == (4,) and probs.shape == (4, 50)
 
 
+def test_the_unit_seed_check_reads_no_value_off_the_cpu(monkeypatch):
+    """The backward's seed is read only on the CPU: off it (the meta device) the check answers
+    False without turning a tensor into a Python value; on the CPU it tells 1 from the rest."""
+    from densetrain.models.loss import _unit_seed_on_cpu
+
+    for name in ("__bool__", "item", "__int__", "__float__"):
+        def refuse(self, *args, _name=name, **kwargs):
+            raise AssertionError(f"Tensor.{_name} called: a host sync")
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    assert _unit_seed_on_cpu(torch.ones((), device="meta")) is False
+    monkeypatch.undo()
+    assert _unit_seed_on_cpu(torch.ones(())) is True
+    assert _unit_seed_on_cpu(torch.tensor(0.5)) is False
+
+
 class _LiveBuffers(TorchDispatchMode):
     """Counts the tensor storages of at least ``nbytes`` alive at once (each op's outputs are
     registered; a storage leaves the count when it is freed)."""
