@@ -188,7 +188,9 @@ def main() -> None:
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py needs a CUDA GPU (or --smoke to check it on CPU)")
     rows = []
-    runs = [(size, dtype) for size in args.sizes.split(",") for dtype in args.dtypes.split(",")]
+    # dtype-major: every size in the first dtype (bf16, whose MFU the targets are about) before
+    # any float8 run, so a session cut short loses the float8 rows first
+    runs = [(size, dtype) for dtype in args.dtypes.split(",") for size in args.sizes.split(",")]
     for size, dtype in runs:
         cmd = [sys.executable, __file__, "--child", size, "--seq", str(args.seq),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--child-dtype", dtype]
@@ -206,6 +208,8 @@ def main() -> None:
         row = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if args.json:  # rewritten after every row: a run killed at its time limit keeps them
+            _write_json(args.json, rows)
     print("\n| size | dtype | params | weights | AC | seq × micro | tokens/s | TFLOP/s | MFU | "
           "peak mem | planner mem | step s | planner step s | first step |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -221,8 +225,15 @@ def main() -> None:
               f"{r['peak_mem_gib']:.1f} GiB | {planned} | {r['median_step_s']:.3f} | {step} | "
               f"{r['time_to_first_step_s']:.0f} s |")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=2)
+        _write_json(args.json, rows)
+
+
+def _write_json(path: str, rows: list[dict]) -> None:
+    # a temporary name, then a rename: a kill mid-write never leaves a half-written file
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(rows, f, indent=2)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
