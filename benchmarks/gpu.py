@@ -187,7 +187,9 @@ def main() -> None:
         return
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py needs a CUDA GPU (or --smoke to check it on CPU)")
-    rows = []
+    rows: list[dict] = []
+    if args.json:  # rewritten after every row: a run killed at its time limit keeps them
+        _write_json(args.json, rows)
     # dtype-major: every size in the first dtype (bf16, whose MFU the targets are about) before
     # any float8 run, so a session cut short loses the float8 rows first
     runs = [(size, dtype) for dtype in args.dtypes.split(",") for size in args.sizes.split(",")]
@@ -208,7 +210,7 @@ def main() -> None:
         row = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(row)
         print(json.dumps(row), flush=True)
-        if args.json:  # rewritten after every row: a run killed at its time limit keeps them
+        if args.json:
             _write_json(args.json, rows)
     print("\n| size | dtype | params | weights | AC | seq × micro | tokens/s | TFLOP/s | MFU | "
           "peak mem | planner mem | step s | planner step s | first step |")
@@ -224,8 +226,6 @@ def main() -> None:
               f"{r['tokens_per_s']:,.0f} | {r['tflops_per_s']:.0f} | {100 * r['mfu']:.1f}% | "
               f"{r['peak_mem_gib']:.1f} GiB | {planned} | {r['median_step_s']:.3f} | {step} | "
               f"{r['time_to_first_step_s']:.0f} s |")
-    if args.json:
-        _write_json(args.json, rows)
 
 
 def _write_json(path: str, rows: list[dict]) -> None:

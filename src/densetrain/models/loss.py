@@ -463,12 +463,13 @@ class _ChunkedLMLoss(torch.autograd.Function):
         # weight's would raise the peak (77 MB for a 50k × 384 fp32 head). A second backward
         # through this graph (retain_graph) fails loudly on their version counters.
         unscaled = _unit_seed_on_cpu(grad_loss)
-        grad_hidden = (grad_hidden_NE if unscaled
-                       else grad_hidden_NE.mul_(grad_loss.to(grad_hidden_NE.dtype)))
-        grad_weight = (grad_weight_PE if unscaled
-                       else grad_weight_PE.mul_(grad_loss)).to(ctx.weight_dtype)
+
+        def scaled(grad: torch.Tensor) -> torch.Tensor:
+            return grad if unscaled else grad.mul_(grad_loss.to(grad.dtype))
+
+        grad_hidden = scaled(grad_hidden_NE)
+        grad_weight = scaled(grad_weight_PE).to(ctx.weight_dtype)
         grad_bias = None
         if grad_bias_P is not None:
-            grad_bias = (grad_bias_P if unscaled
-                         else grad_bias_P.mul_(grad_loss)).to(ctx.weight_dtype)
+            grad_bias = scaled(grad_bias_P).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None

@@ -381,15 +381,21 @@ def test_the_chunked_loss_holds_one_chunk_of_probabilities_at_a_time(autocast, h
     assert live.peak == (2 if autocast else 1)
 
 
-def test_a_second_backward_through_the_chunked_loss_fails_loudly():
-    """The saved gradients are scaled in place in backward (no [P, E] copy), so a second
-    backward through a retained graph must raise, not return gradients scaled twice."""
+def _small_chunked_loss():
+    """A 16-token, 40-class chunked loss in chunks of 4, with its unchunked reference loss."""
     torch.manual_seed(0)
     hidden = torch.randn(2, 8, 16, requires_grad=True)
     weight = torch.randn(40, 16, requires_grad=True)
     targets = torch.randint(0, 40, (2, 8))
     out = chunked_lm_loss(hidden, weight, targets, vocab_size=40, chunk_size=4)
     reference = cross_entropy_loss(F.linear(hidden, weight), targets).loss
+    return hidden, weight, out, reference
+
+
+def test_a_second_backward_through_the_chunked_loss_fails_loudly():
+    """The saved gradients are scaled in place in backward (no [P, E] copy), so a second
+    backward through a retained graph must raise, not return gradients scaled twice."""
+    hidden, weight, out, reference = _small_chunked_loss()
     expected = torch.autograd.grad(reference * 2, [hidden, weight])
     (out.loss * 2).backward(retain_graph=True)
     torch.testing.assert_close(hidden.grad, expected[0])
@@ -402,12 +408,7 @@ def test_unit_seeded_backwards_leave_the_saved_gradients_whole():
     """A backward seeded with 1 returns the saved gradients unscaled (on the CPU no pass over
     them). Through a retained graph the second backward still sums right; the gradients it
     accumulated into are the saved ones, so a third must raise rather than read them."""
-    torch.manual_seed(0)
-    hidden = torch.randn(2, 8, 16, requires_grad=True)
-    weight = torch.randn(40, 16, requires_grad=True)
-    targets = torch.randint(0, 40, (2, 8))
-    out = chunked_lm_loss(hidden, weight, targets, vocab_size=40, chunk_size=4)
-    reference = cross_entropy_loss(F.linear(hidden, weight), targets).loss
+    hidden, weight, out, reference = _small_chunked_loss()
     expected = torch.autograd.grad(reference, [hidden, weight])
     out.loss.backward(retain_graph=True)
     out.loss.backward(retain_graph=True)
