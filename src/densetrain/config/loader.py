@@ -177,13 +177,37 @@ def parse_overrides(arguments: list[str]) -> list[tuple[str, str | None, str]]:
     return parsed
 
 
+def _bare_key_hint(key: str, value: str | None, types_by_section: dict[str, type]) -> str:
+    """What a key without a section most likely meant: the sections that have a field of that
+    name (``--steps=5``: ``--training.steps=5``), a CONFIG file given as ``--config FILE``, or
+    the ``--set`` prefix of other tools."""
+    shown = f"={value}" if value is not None else ""
+    if key in ("config", "config-file", "config_file", "c"):
+        return (f"; a config file is not an option: densetrain train {value or 'FILE.toml'} "
+                "[--section.field=value ...]")
+    if key in ("set", "override", "o"):
+        return f"; overrides need no --{key}: write --{value or 'section.field=value'}"
+    if key in types_by_section:
+        fields = [f.name for f in dataclasses.fields(types_by_section[key])]
+        return f"; [{key}] is a section: name one of its fields, --{key}.FIELD{shown} " \
+            f"(fields: {', '.join(fields)})"
+    owners = [name for name, section_type in types_by_section.items()
+              if key in {f.name for f in dataclasses.fields(section_type)}]
+    if owners:
+        return "; did you mean " + " or ".join(f"--{name}.{key}{shown}" for name in owners) + "?"
+    return f" (sections: {', '.join(types_by_section)})"
+
+
 def apply_override(job: JobConfig, key: str, value: str | None, text: str | None = None) -> None:
     """Set ``section.field[.subfield]`` of ``job`` to ``value`` coerced to the field's type."""
     where = f"override {text or key!r}"
     parts = key.split(".")
     types_by_section = _section_types()
     if len(parts) < 2:
-        raise ValueError(f"{where}: the key must be section.field, got {key!r}")
+        raise ValueError(
+            f"{where}: the key must be section.field, got {key!r}"
+            + _bare_key_hint(key, value, types_by_section)
+        )
     if parts[0] not in types_by_section:
         raise ValueError(unknown_key_message(parts[0], parts[0], list(types_by_section), where))
     section_name = parts[0]

@@ -1,5 +1,6 @@
 """TOML loading, overrides, printing/saving round trips and unknown-key errors."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,35 @@ def test_overrides_are_coerced_from_the_annotations():
 def test_bad_overrides_name_the_override(override, message):
     with pytest.raises(ValueError, match=message):
         load_job_config(None, [override])
+
+
+@pytest.mark.parametrize("words, attribute, expected", [
+    (["--steps=5"], ("training", "steps"), 5),
+    (["--lr", "0.002"], ("optim", "lr"), 0.002),
+    (["--set", "training.steps=7"], ("training", "steps"), 7),
+])
+def test_a_key_without_its_section_suggests_an_override_that_works(words, attribute, expected):
+    with pytest.raises(ValueError, match="must be section.field") as caught:
+        load_job_config(None, words)
+    suggestions = re.findall(r"(?:did you mean|write) (--[\w.]+=\S+?)\??$", str(caught.value))
+    assert suggestions, str(caught.value)
+    job = load_job_config(None, [suggestions[0]])
+    assert getattr(getattr(job, attribute[0]), attribute[1]) == expected
+
+
+def test_a_key_in_several_sections_names_each():
+    with pytest.raises(ValueError, match=r"--data.seed=3 or --training.seed=3"):
+        load_job_config(None, ["--seed=3"])
+
+
+def test_config_given_as_an_option_points_to_the_positional_file():
+    with pytest.raises(ValueError, match=r"not an option: densetrain train run.toml"):
+        load_job_config(None, ["--config", "run.toml"])
+
+
+def test_a_section_alone_lists_its_fields():
+    with pytest.raises(ValueError, match=r"\[optim\] is a section.*--optim.FIELD=1.*lr"):
+        load_job_config(None, ["--optim=1"])
 
 
 def test_unknown_keys_in_a_file_name_the_file(tmp_path):
