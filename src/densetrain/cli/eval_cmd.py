@@ -115,11 +115,35 @@ def _harness(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_generate_args(args: argparse.Namespace) -> None:
+    """The sampling flags' errors before the model loads: values out of range, and flags that
+    greedy decoding (``--temperature 0``, the default) would silently ignore."""
+    from densetrain.generate.sampling import check_sampling
+
+    check_sampling(args.temperature, args.top_k, args.top_p,
+                   names=("--temperature", "--top-k", "--top-p"))
+    if args.num_samples < 1:
+        raise ValueError(f"--num-samples must be a positive integer, got {args.num_samples}")
+    if args.temperature == 0:
+        ignored = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p))
+                   if value is not None]
+        if args.num_samples > 1:
+            ignored.append(f"--num-samples {args.num_samples}")
+        if ignored:
+            raise ValueError(
+                f"{' and '.join(ignored)} {'needs' if len(ignored) == 1 else 'need'} sampling: "
+                "give --temperature > 0 (e.g. 0.8); "
+                "at --temperature 0 (the default) decoding is greedy, one and the same "
+                "completion"
+            )
+
+
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from densetrain.generate import generate
 
+    _check_generate_args(args)
     model, tokenizer = _load(args)
     device = next(model.parameters()).device
     ids = tokenizer.encode(args.prompt) or [tokenizer.eos_id]

@@ -10,6 +10,23 @@ import torch
 from densetrain.generate.kv_cache import KVCache
 
 
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None, *,
+                   names: tuple[str, str, str] = ("temperature", "top_k", "top_p")) -> None:
+    """Raise ``ValueError`` naming the argument (as ``names`` spell them: the CLI's flags)
+    unless ``temperature`` >= 0, ``top_k`` is a positive integer or None and ``top_p`` is in
+    (0, 1] or None (None: no such limit). Checked before the first token, so a bad value fails
+    even where greedy decoding (temperature 0) would not read it."""
+    temperature_name, top_k_name, top_p_name = names
+    if not temperature >= 0:  # also NaN
+        raise ValueError(f"{temperature_name} must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                              or top_k <= 0):
+        raise ValueError(f"{top_k_name} must be a positive integer (unset: no limit), "
+                         f"got {top_k!r}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"{top_p_name} must be in (0, 1] (unset: no limit), got {top_p}")
+
+
 def filter_logits(
     logits_BV: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None
 ) -> torch.Tensor:
@@ -18,16 +35,13 @@ def filter_logits(
     The nucleus is the smallest set of most likely tokens whose probability reaches ``top_p``;
     the most likely token is always kept.
     """
+    check_sampling(0.0, top_k, top_p)
     logits_BV = logits_BV.float()
     if top_k is not None:
-        if top_k <= 0:
-            raise ValueError(f"top_k must be a positive integer or None, got {top_k}")
         k = min(top_k, logits_BV.shape[-1])
         kth_B1 = torch.topk(logits_BV, k, dim=-1).values[:, -1:]
         logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
     if top_p is not None:
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
         sorted_BV, order_BV = torch.sort(logits_BV, dim=-1, descending=True)
         probs_BV = torch.softmax(sorted_BV, dim=-1)
         mass_before_BV = probs_BV.cumsum(dim=-1) - probs_BV
@@ -47,8 +61,7 @@ def sample_next(
 ) -> torch.Tensor:
     """Next token ids [B]: argmax when ``temperature`` is 0, else a draw from
     softmax(filtered logits / temperature)."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits_BV.argmax(dim=-1)
     filtered_BV = filter_logits(logits_BV / temperature, top_k=top_k, top_p=top_p)
@@ -77,6 +90,12 @@ def generate(
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    check_sampling(temperature, top_k, top_p)
+    if tokens_BS.dim() != 2 or 0 in tokens_BS.shape:
+        raise ValueError(
+            "tokens_BS must be [batch, prompt length] with at least one prompt of at least "
+            f"one token, got shape {list(tokens_BS.shape)}"
+        )
     cfg = model.config
     batch, prompt_len = tokens_BS.shape
     total = prompt_len + max_new_tokens

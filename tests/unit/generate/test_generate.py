@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -127,3 +129,24 @@ def test_bad_arguments():
         sample_next(torch.zeros(1, 3), temperature=-1)
     with pytest.raises(ValueError, match="top_p"):
         filter_logits(torch.zeros(1, 3), top_p=0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(top_k=0), "top_k must be a positive integer"),
+    (dict(top_k=2.5), "top_k must be a positive integer"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(temperature=float("nan")), "temperature must be >= 0"),
+])
+def test_sampling_arguments_are_checked_before_the_first_token_even_when_greedy(kwargs, message):
+    model = Transformer(tiny())
+    model.init_weights(seed=0)
+    with pytest.raises(ValueError, match=message):
+        generate(model, torch.zeros(1, 2, dtype=torch.long), 3, **kwargs)
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (2, 0), (3,)])
+def test_prompts_of_no_tokens_or_no_batch_are_refused(shape):
+    model = Transformer(tiny())
+    message = r"\[batch, prompt length\].*" + re.escape(str(list(shape)))
+    with pytest.raises(ValueError, match=message):
+        generate(model, torch.zeros(shape, dtype=torch.long), 3)
