@@ -88,7 +88,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     try:
         path, entry = calibrate(args.calibrate, ranks=args.calibrate_ranks)
     except RuntimeError as e:
-        print(f"calibration failed: {e}", file=sys.stderr)
+        print(f"densetrain plan: calibration failed: {e}", file=sys.stderr)
         return 1
     print(f"wrote {path}: " + ", ".join(f"{k} {v:.4g}" for k, v in entry.items()
                                         if not isinstance(v, str)))
@@ -160,9 +160,6 @@ def run_plan_command(args: argparse.Namespace) -> int:
         if args.emit_config:
             _emit(args, result)
         return 0
-    except NoFeasibleLayoutError as e:
-        print(f"no feasible layout: {e}", file=sys.stderr)
+    except NoFeasibleLayoutError as e:  # an answer, not an input error: exit 1 with the why
+        print(f"densetrain plan: no feasible layout: {e}", file=sys.stderr)
         return 1
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2

@@ -73,9 +73,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     extra = list(getattr(args, "extra", []))
     bad = [e for e in extra if not e.startswith("--") or "=" not in e]
     if bad:
-        print(f"error: extra arguments must be --section.field=value overrides, got {bad}",
-              file=sys.stderr)
-        return 2
+        raise ValueError(f"extra arguments must be --section.field=value overrides, got {bad}")
     cfg = SweepConfig(
         budgets=args.budgets, sizes_per_budget=args.sizes_per_budget, n_span=args.n_span,
         tokens_per_param=args.tokens_per_param, param_count=args.param_count,
@@ -90,8 +88,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                             keep_going=args.keep_going, nproc_per_node=args.nproc_per_node,
                             nnodes=args.nnodes, jobs=args.jobs, threads=args.threads,
                             loss_field=args.loss_field)
-    except (ValueError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except RuntimeError as err:  # a run of the sweep failed: not an input error, exit 1
+        print(f"densetrain scaling sweep: {err}", file=sys.stderr)
         return 1
     if results is not None:
         print(f"results: {results}")
@@ -108,11 +106,7 @@ def _register_collect(sub) -> None:
 def _cmd_collect(args: argparse.Namespace) -> int:
     from densetrain.scaling.runner import collect_results
 
-    try:
-        print(f"results: {collect_results(args.sweep_dir, loss_field=args.loss_field)}")
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    print(f"results: {collect_results(args.sweep_dir, loss_field=args.loss_field)}")
     return 0
 
 
@@ -140,11 +134,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     from densetrain.scaling.plots import plot_frontier, plot_isoflop, plot_residuals
     from densetrain.scaling.results import atomic_write_text, load_results_csv
 
-    try:
-        table = load_results_csv(args.results)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    table = load_results_csv(args.results)
     out = Path(args.out) if args.out else Path(args.results).parent
     analysis = analyse(table, num_resamples=args.bootstrap, seed=args.seed,
                        max_starts=args.max_starts or None, isoflop_window=args.isoflop_window)
@@ -185,11 +175,7 @@ def _register_optimal(sub) -> None:
 def _cmd_optimal(args: argparse.Namespace) -> int:
     from densetrain.scaling.optimal_report import optimal_report
 
-    try:
-        text = optimal_report(flops=args.flops, target_loss=args.target_loss,
-                              inference_tokens=args.inference_tokens, fit_path=args.fit)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    text = optimal_report(flops=args.flops, target_loss=args.target_loss,
+                          inference_tokens=args.inference_tokens, fit_path=args.fit)
     print(text)
     return 0

@@ -13,7 +13,7 @@ def test_optimal_prints_chinchilla_40b(capsys):
 
 
 def test_optimal_rejects_bad_budget(capsys):
-    assert main(["scaling", "optimal", "--flops", "-3"]) == 1
+    assert main(["scaling", "optimal", "--flops", "-3"]) == 2
     assert "flops must be" in capsys.readouterr().err
 
 
@@ -38,7 +38,7 @@ def test_fit_writes_report_json_and_plots(tmp_path, capsys, make_isoflop_rows):
 def test_fit_bad_csv_names_the_column(tmp_path, capsys):
     path = tmp_path / "r.csv"
     path.write_text("params,tokens,loss\n1,2,3\n")
-    assert main(["scaling", "fit", str(path)]) == 1
+    assert main(["scaling", "fit", str(path)]) == 2
     assert "missing column(s) ['flops']" in capsys.readouterr().err
 
 

@@ -73,7 +73,7 @@ def test_scaling_optimal_target_loss(capsys):
     (["--flops", "inf"], "flops must be a finite number > 0"),
 ])
 def test_scaling_optimal_bad_input(capsys, argv, message):
-    assert main(["scaling", "optimal", *argv]) == 1
+    assert main(["scaling", "optimal", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
 
@@ -82,5 +82,5 @@ def test_scaling_optimal_fit_with_missing_constant(tmp_path, capsys):
     path = tmp_path / "fit.json"
     values = {k: {"value": v} for k, v in CHINCHILLA_UNROUNDED.as_dict().items() if k != "B"}
     path.write_text(json.dumps({"parametric": values}))
-    assert main(["scaling", "optimal", "--flops", "1e22", "--fit", str(path)]) == 1
+    assert main(["scaling", "optimal", "--flops", "1e22", "--fit", str(path)]) == 2
     assert "missing constant 'B'" in capsys.readouterr().err

@@ -62,8 +62,8 @@ def get_preset(name: str, **overrides) -> ModelConfig:
         close = difflib.get_close_matches(key, _REGISTRY, n=5, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise ValueError(
-            f"unknown model preset {name!r}{hint} (list_presets() gives all "
-            f"{len(_REGISTRY)} names)"
+            f"unknown model preset {name!r}{hint} (all {len(_REGISTRY)}: `densetrain presets`, "
+            "or list_presets() in Python)"
         )
     cfg = _REGISTRY[key]()
     return cfg.replace(**overrides) if overrides else cfg
