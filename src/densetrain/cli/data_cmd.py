@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 from densetrain.errors import UserError
 
@@ -12,6 +14,12 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
     from densetrain.data.sources import ReadStats, expand_inputs, iter_documents
     from densetrain.data.tokenizer import train_tokenizer
 
+    output = Path(args.output)
+    if output.exists() and not args.overwrite:  # datasets record the tokenizer they were cut by
+        raise UserError(
+            f"{output} exists; choose another --output or replace it with --overwrite "
+            "(datasets prepared with it record its fingerprint and would no longer match)"
+        )
     stats = ReadStats()
     files = expand_inputs(args.inputs)
     documents = iter_documents(
@@ -33,9 +41,26 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
         vocab_size=args.vocab_size,
         special_tokens=special,
         min_frequency=args.min_frequency,
-        show_progress=True,
+        show_progress=sys.stderr.isatty(),  # a bar on a terminal, not blank lines in a log
     )
-    print(f"saved {tokenizer} ({stats.documents} documents, read stats {stats.as_dict()})")
+    print(f"wrote {tokenizer.path}: byte-level BPE, {tokenizer.vocab_size:,} tokens "
+          f"(fingerprint {tokenizer.fingerprint[:12]}) from {stats.documents:,} document"
+          f"{'' if stats.documents == 1 else 's'}")
+    if tokenizer.vocab_size < args.vocab_size:
+        print(f"note: {args.vocab_size:,} tokens were asked; the corpus has no further pair of "
+              f"tokens seen --min-frequency {args.min_frequency} times, so training stopped at "
+              f"{tokenizer.vocab_size:,} (a larger corpus or a lower --min-frequency gives more)",
+              file=sys.stderr)
+    skipped = [f"{n:,} {what}" for n, what in (
+        (stats.skipped_lines, "unreadable lines"),
+        (stats.skipped_binary_files, "binary files"),
+        (stats.invalid_utf8_documents, f"documents with invalid UTF-8 ({stats.replaced_bytes:,} "
+                                       "bytes replaced)"),
+    ) if n]
+    if skipped:
+        examples = (stats.skipped_examples + stats.skipped_binary_examples)[:3]
+        print(f"skipped: {', '.join(skipped)}" + (f"; first: {', '.join(examples)}"
+                                                  if examples else ""), file=sys.stderr)
     return 0
 
 
@@ -172,6 +197,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tok.add_argument("--vocab-size", type=int, required=True)
     tok.add_argument("--special-tokens", default="<|bos|>,<|eos|>,<|pad|>", help="BOS,EOS,PAD")
     tok.add_argument("--min-frequency", type=int, default=2)
+    tok.add_argument("--overwrite", action="store_true",
+                     help="replace an existing file at --output")
     tok.set_defaults(func=_train_tokenizer)
 
     _register_prepare(data_sub)

@@ -54,3 +54,23 @@ def test_cli_train_prepare_inspect(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["num_documents"] == 30
     assert report["sample"].startswith(docs[0][:50])
+
+
+def test_train_tokenizer_says_when_the_corpus_stops_it_short_and_what_it_skipped(tmp_path, capsys):
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "a.txt").write_text("import os\nprint(1)\n")
+    (tmp_path / "txt" / "b.bin").write_bytes(b"\x7fELF\x00\x00" + bytes(range(256)))
+    tok = tmp_path / "tok.json"
+    argv = ["data", "train-tokenizer", str(tmp_path / "txt"), "-o", str(tok)]
+    assert main([*argv, "--vocab-size", "300"]) == 0
+    out, err = capsys.readouterr()
+    size = load_tokenizer(tok).vocab_size
+    assert size < 300  # 19 bytes of text have fewer than 41 pairs seen twice
+    assert f"wrote {tok}: byte-level BPE, {size} tokens" in out and "from 1 document" in out
+    assert "300 tokens were asked" in err and f"stopped at {size}" in err
+    assert "skipped: 1 binary files" in err and "b.bin" in err
+    before = tok.read_bytes()
+    assert main([*argv, "--vocab-size", str(size)]) == 2  # never replaced silently
+    assert "exists" in capsys.readouterr().err and tok.read_bytes() == before
+    assert main([*argv, "--vocab-size", str(size), "--overwrite"]) == 0
+    assert "were asked" not in capsys.readouterr().err  # the asked size reached: no note
