@@ -90,10 +90,46 @@ def _prepare(args: argparse.Namespace) -> int:
     if meta is None:
         print(f"stopped after {args.max_shards} shards; rerun the same command to continue")
         return 0
-    splits = {k: (v["num_documents"], v["num_tokens"]) for k, v in meta["splits"].items()}
-    print(f"prepared {args.output}: (documents, tokens) per split {splits}, dtype {meta['dtype']}")
-    print(json.dumps(meta["counts"], indent=2))
+    if args.json:
+        print(json.dumps({"output": str(args.output), "dtype": meta["dtype"],
+                          "splits": {name: {"documents": split["num_documents"],
+                                            "tokens": split["num_tokens"],
+                                            "shards": len(split["shards"])}
+                                     for name, split in meta["splits"].items()},
+                          "counts": meta["counts"]}, indent=2))
+    else:
+        print(prepare_summary(str(args.output), meta))
     return 0
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count:,} {word}{'' if count == 1 else 's'}"
+
+
+def prepare_summary(output: str, meta: dict) -> str:
+    """The lines `data prepare` prints: each split's documents, tokens and shards, then what
+    reading skipped and what the filters removed (all from ``meta.json``)."""
+    lines = [f"prepared {output} ({meta['dtype']} tokens):"]
+    for name, split in meta["splits"].items():
+        lines.append(f"  {name:<6} {_plural(split['num_documents'], 'document'):>18}  "
+                     f"{_plural(split['num_tokens'], 'token'):>18}  "
+                     f"{_plural(len(split['shards']), 'shard')}")
+    counts = meta["counts"]
+    read = counts.get("read", {})
+    skipped = [_plural(read[key], what) for key, what in (
+        ("skipped_lines", "bad line"), ("skipped_binary_files", "binary file"),
+    ) if read.get(key)]
+    if read.get("invalid_utf8_documents"):  # kept, with U+FFFD for the bad bytes
+        skipped.append(f"{_plural(read['replaced_bytes'], 'invalid UTF-8 byte')} (replaced)")
+    removed = [_plural(n, reason.replace("_", " "))
+               for reason, n in counts.get("removed", {}).items() if n]
+    lines.append(f"  read {_plural(read.get('documents', 0), 'document')}"
+                 + (f"; skipped {', '.join(skipped)}" if skipped else "")
+                 + (f"; removed {', '.join(removed)}" if removed else ""))
+    fraction = meta.get("settings", {}).get("val_fraction", 0.0)
+    if fraction and not meta["splits"].get("val", {}).get("num_documents"):
+        lines.append(f"  note: --val-fraction {fraction} drew no document for validation")
+    return "\n".join(lines)
 
 
 def _run_prepare(args: argparse.Namespace, cfg, prepare_dataset) -> dict | None:
@@ -165,6 +201,8 @@ def _register_prepare(data_sub: argparse._SubParsersAction) -> None:
     prep.add_argument("--threshold", type=float, default=0.8, help="near-duplicate Jaccard")
     prep.add_argument("--quality-filter", action="store_true", help="Gopher quality heuristics")
     prep.add_argument("--overwrite", action="store_true", help="replace a complete dataset")
+    prep.add_argument("--json", action="store_true",
+                      help="print the splits and counts as JSON instead of the summary")
     prep.add_argument("--max-shards", type=int, default=0, help="stop after N shards (resumable)")
     prep.add_argument(
         "--workers",

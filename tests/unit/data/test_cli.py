@@ -74,3 +74,26 @@ def test_train_tokenizer_says_when_the_corpus_stops_it_short_and_what_it_skipped
     assert "exists" in capsys.readouterr().err and tok.read_bytes() == before
     assert main([*argv, "--vocab-size", str(size), "--overwrite"]) == 0
     assert "were asked" not in capsys.readouterr().err  # the asked size reached: no note
+
+
+def test_prepare_summarises_splits_and_counts_from_its_meta(tmp_path, capsys):
+    docs = synthetic_documents(12, seed=5)
+    write_text_files(tmp_path / "txt", docs + docs[:2])  # two exact duplicates
+    tok = tmp_path / "tok.json"
+    assert main(["data", "train-tokenizer", str(tmp_path / "txt"), "-o", str(tok),
+                 "--vocab-size", "300"]) == 0
+    capsys.readouterr()
+    common = ["data", "prepare", str(tmp_path / "txt"), "--tokenizer", str(tok), "--exact-dedup",
+              "--val-fraction", "0.25"]
+    assert main([*common, "-o", str(tmp_path / "ds")]) == 0
+    out = capsys.readouterr().out
+    meta = load_metadata(tmp_path / "ds")
+    for name, split in meta["splits"].items():
+        row = next(line for line in out.splitlines() if line.strip().startswith(name))
+        assert f"{split['num_tokens']:,} token" in row and f"{split['num_documents']:,} doc" in row
+    assert "read 14 documents" in out and "removed 2 exact duplicates" in out
+    assert main([*common, "-o", str(tmp_path / "ds2"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["counts"] == load_metadata(tmp_path / "ds2")["counts"]
+    assert {k: v["tokens"] for k, v in report["splits"].items()} == {
+        k: v["num_tokens"] for k, v in meta["splits"].items()}
