@@ -104,8 +104,12 @@ def _merge_into(job: JobConfig, data: dict, source: str) -> None:
         current = dataclasses.asdict(getattr(job, section_name))
         for key in values:
             if key not in current:
+                owners = _sections_with_field(key, types_by_section, but=section_name)
+                moved = (f"; {key} belongs in {' or '.join(f'[{o}]' for o in owners)}"
+                         if owners else "")
                 raise ValueError(
                     unknown_key_message(f"{section_name}.{key}", key, list(current), source)
+                    + moved
                 )
         current.update(values)
         try:
@@ -177,6 +181,13 @@ def parse_overrides(arguments: list[str]) -> list[tuple[str, str | None, str]]:
     return parsed
 
 
+def _sections_with_field(key: str, types_by_section: dict[str, type],
+                         but: str | None = None) -> list[str]:
+    """The sections (other than ``but``) that have a top-level field named ``key``."""
+    return [name for name, section_type in types_by_section.items()
+            if name != but and key in {f.name for f in dataclasses.fields(section_type)}]
+
+
 def _bare_key_hint(key: str, value: str | None, types_by_section: dict[str, type]) -> str:
     """What a key without a section most likely meant: the sections that have a field of that
     name (``--steps=5``: ``--training.steps=5``), a CONFIG file given as ``--config FILE``, or
@@ -191,8 +202,7 @@ def _bare_key_hint(key: str, value: str | None, types_by_section: dict[str, type
         fields = [f.name for f in dataclasses.fields(types_by_section[key])]
         return f"; [{key}] is a section: name one of its fields, --{key}.FIELD{shown} " \
             f"(fields: {', '.join(fields)})"
-    owners = [name for name, section_type in types_by_section.items()
-              if key in {f.name for f in dataclasses.fields(section_type)}]
+    owners = _sections_with_field(key, types_by_section)
     if owners:
         return "; did you mean " + " or ".join(f"--{name}.{key}{shown}" for name in owners) + "?"
     return f" (sections: {', '.join(types_by_section)})"
@@ -225,7 +235,11 @@ def apply_override(job: JobConfig, key: str, value: str | None, text: str | None
     last = parts[-1]
     is_top_field = len(parts) == 2
     if is_top_field and last not in target:
-        raise ValueError(unknown_key_message(key, last, list(target), where))
+        owners = _sections_with_field(last, types_by_section, but=section_name)
+        shown = f"={value}" if value is not None else ""
+        moved = ("; it is a field of " + " or ".join(f"[{o}]: --{o}.{last}{shown}"
+                                                     for o in owners)) if owners else ""
+        raise ValueError(unknown_key_message(key, last, list(target), where) + moved)
     if value is None:
         value = "true"  # a bare --section.flag
     if is_top_field:

@@ -99,6 +99,17 @@ def test_a_key_without_its_section_suggests_an_override_that_works(words, attrib
     assert getattr(getattr(job, attribute[0]), attribute[1]) == expected
 
 
+def test_a_field_in_the_wrong_section_names_its_section(tmp_path):
+    with pytest.raises(ValueError, match=r"it is a field of \[optim\]") as caught:
+        load_job_config(None, ["--training.grad_clip=0.5"])
+    suggestion = re.search(r"(--optim\.grad_clip=\S+)$", str(caught.value)).group(1)
+    assert load_job_config(None, [suggestion]).optim.grad_clip == 0.5
+    path = tmp_path / "moved.toml"
+    path.write_text("[training]\ngrad_clip = 0.5\n")
+    with pytest.raises(ValueError, match=r"moved.toml.*grad_clip belongs in \[optim\]"):
+        load_job_config(path)
+
+
 def test_a_key_in_several_sections_names_each():
     with pytest.raises(ValueError, match=r"--data.seed=3 or --training.seed=3"):
         load_job_config(None, ["--seed=3"])
