@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,22 +32,33 @@ BUCKETS = ("productive", "recomputed", "startup", "data", "checks", "evaluation"
 
 
 def read_ledger(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """The lines of ``<run_dir>/goodput.jsonl`` (``ValueError`` naming a bad line)."""
-    path = Path(run_dir) / LEDGER_FILE
+    """The lines of ``<run_dir>/goodput.jsonl``: ``ValueError`` naming a bad line, except a torn
+    last one (its process was killed, or the disk filled, while writing it), which is left out:
+    the ledger then ends at that process's previous iteration."""
+    return _parse_ledger(Path(run_dir) / LEDGER_FILE)[0]
+
+
+def _parse_ledger(path: Path) -> tuple[list[dict[str, Any]], int | None]:
+    """(The ledger's whole lines, the byte offset of a torn last line or None)."""
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: not a densetrain run directory, or "
                                 "the run predates the goodput ledger")
-    lines = []
-    for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not text.strip():
+    data = path.read_bytes()
+    raw_lines = data.split(b"\n")
+    lines, offset = [], 0
+    for number, raw in enumerate(raw_lines, start=1):
+        line_start, offset = offset, offset + len(raw) + 1
+        if not raw.strip():
             continue
         try:
-            entry = json.loads(text)
+            entry = json.loads(raw.decode("utf-8"))
             float(entry["start"]), float(entry["end"]), dict(entry["buckets"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            if not any(rest.strip() for rest in raw_lines[number:]):
+                return lines, line_start  # the last line, torn
             raise ValueError(f"{path}:{number}: not a goodput ledger line ({err})") from err
         lines.append(entry)
-    return lines
+    return lines, None
 
 
 def high_water_step(lines: list[dict[str, Any]]) -> int:
@@ -69,7 +81,13 @@ class GoodputLedger:
         if write:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if self.path.is_file():
-                self.high_water = high_water_step(read_ledger(self.path.parent))
+                lines, torn_at = _parse_ledger(self.path)
+                if torn_at is not None:  # cut off, or this process's lines would follow it
+                    _truncate_atomically(self.path, torn_at)
+                    print(f"{self.path}: dropped a torn last line (its process stopped while "
+                          "writing it); the ledger goes on from the line before",
+                          file=sys.stderr, flush=True)
+                self.high_water = high_water_step(lines)
 
     def mark(self, bucket: str) -> None:
         """The time since the previous mark was spent on ``bucket``."""
@@ -99,6 +117,14 @@ class GoodputLedger:
         total = sum(self.totals.values())
         return {**{f"goodput_{k}_s": v for k, v in self.totals.items() if k != "down"},
                 "goodput_process": self.totals["productive"] / total if total else 0.0}
+
+
+def _truncate_atomically(path: Path, size: int) -> None:
+    """Keep the first ``size`` bytes of ``path``: written to a temporary name, then renamed."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(path, "rb") as src:
+        tmp.write_bytes(src.read(size))
+    os.replace(tmp, path)
 
 
 def ledger_totals(lines: list[dict[str, Any]]) -> tuple[dict[str, float], float]:

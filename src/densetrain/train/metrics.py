@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -231,8 +232,16 @@ class MetricsWriter:
 
     def _open(self, resume_step: int | None) -> None:
         if self.path.exists():
-            lines = self.path.read_text(encoding="utf-8").splitlines()
-            kept = [ln for ln in lines if ln.strip() and _line_step(ln) <= (resume_step or 0)]
+            lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines()
+            steps = [_line_step(ln) for ln in lines]
+            torn = sum(1 for ln, step in zip(lines, steps, strict=True)
+                       if ln.strip() and step is None)
+            if torn:  # a write cut short (kill, full disk): the record is lost, not kept torn
+                print(f"{self.path}: dropped {torn} unreadable line(s), a record whose write "
+                      "was cut short; the steps are logged again as they are retrained",
+                      file=sys.stderr, flush=True)
+            kept = [ln for ln, step in zip(lines, steps, strict=True)
+                    if step is not None and step <= (resume_step or 0)]
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
             os.replace(tmp, self.path)
@@ -259,16 +268,33 @@ class MetricsWriter:
             sink.close()
 
 
-def _line_step(line: str) -> int:
+def _line_step(line: str) -> int | None:
+    """The step of one ``metrics.jsonl`` line; None for a line that is not a whole record."""
     try:
-        return int(json.loads(line).get("step", 0))
-    except (ValueError, AttributeError):
-        return 0
+        record = json.loads(line)
+        return int(record["step"])
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """All records of ``<run_dir>/metrics.jsonl`` in order."""
+    """All records of ``<run_dir>/metrics.jsonl`` in order.
+
+    A torn last line (the process was killed or the disk filled during its write) is left
+    out; an unreadable line before the last one raises ``ValueError`` naming ``file:line``.
+    """
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(ln) for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        if _line_step(line) is None:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}:{number}: not a metrics record (a JSON object with a "
+                             f"step): {line[:80]!r}")
+        records.append(json.loads(line))
+    return records

@@ -80,3 +80,36 @@ def test_two_processes_account_their_time_and_the_gap_between(tmp_path) -> None:
     lines = read_ledger(tmp_path)
     assert [(e["step"], *e["buckets"]) for e in lines[-2:]] == [(2, "recomputed"),
                                                                 (3, "productive")]
+
+
+def _process(run_dir: Path, steps: tuple[int, ...]) -> None:
+    ledger = GoodputLedger(run_dir, write=True, started=time.time())
+    ledger.mark("startup")
+    ledger.flush(steps[0] - 1)
+    for step in steps:
+        ledger.mark(ledger.step_bucket(step))
+        ledger.flush(step)
+
+
+def test_a_torn_last_line_is_dropped_by_the_next_process_not_a_crash_loop(tmp_path, capsys):
+    _process(tmp_path, (1, 2, 3))
+    path = tmp_path / "goodput.jsonl"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 20])  # killed while writing step 3's line
+    assert [e["step"] for e in read_ledger(tmp_path)] == [0, 1, 2]  # the torn line left out
+    _process(tmp_path, (3, 4))  # the restart: step 3 was never accounted, so it is productive
+    assert "dropped a torn last line" in capsys.readouterr().err
+    lines = read_ledger(tmp_path)
+    assert [(e["step"], *e["buckets"]) for e in lines[-2:]] == [(3, "productive"),
+                                                                (4, "productive")]
+    assert main(["goodput", str(tmp_path)]) == 0
+
+
+def test_a_damaged_line_before_the_last_names_its_line(tmp_path) -> None:
+    _process(tmp_path, (1, 2))
+    path = tmp_path / "goodput.jsonl"
+    lines = path.read_text().splitlines()
+    lines[1] = lines[1][:10]
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"goodput.jsonl:2: not a goodput ledger line"):
+        read_ledger(tmp_path)
