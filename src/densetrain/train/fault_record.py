@@ -15,6 +15,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from densetrain.train.jsonl import drop_torn_tail, read_json_lines
+
 HISTORY_FILE = "faults.jsonl"
 
 
@@ -66,7 +68,7 @@ class FaultRecord:
     def merge_history(self, run_dir: Path) -> None:
         """Add the rollbacks and ranges of ``<run_dir>/faults.jsonl`` (read on rank 0, sent to
         all): a rollback after the newest checkpoint is in the history only."""
-        events: list[Any] = [read_history(run_dir) if rank() == 0 else None]
+        events: list[Any] = [read_history(run_dir, drop_torn=True) if rank() == 0 else None]
         if dist_on():
             dist.broadcast_object_list(events, src=0)
         for event in events[0]:
@@ -75,19 +77,16 @@ class FaultRecord:
                 self.add_skip(int(event["skip"][0]), int(event["skip"][1]))
 
 
-def read_history(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The events of ``<run_dir>/faults.jsonl`` (empty when absent); a bad line names itself."""
+def read_history(run_dir: str | Path, *, drop_torn: bool = False) -> list[dict[str, Any]]:
+    """The events of ``<run_dir>/faults.jsonl`` (empty when absent); a torn last line is left
+    out (and, with ``drop_torn``, cut from the file: rank 0 on resume, before it appends); a bad
+    line before it names itself."""
     path = Path(run_dir) / HISTORY_FILE
     if not path.is_file():
         return []
-    events = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not a JSON line ({err.msg})") from err
+    events, torn_at = read_json_lines(path, "fault event")
+    if drop_torn and torn_at is not None:
+        drop_torn_tail(path, torn_at)
     return events
 
 

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from densetrain.train.jsonl import drop_torn_tail, read_json_lines
 
 LEDGER_FILE = "goodput.jsonl"
 BUCKETS = ("productive", "recomputed", "startup", "data", "checks", "evaluation", "callbacks",
@@ -43,22 +44,11 @@ def _parse_ledger(path: Path) -> tuple[list[dict[str, Any]], int | None]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: not a densetrain run directory, or "
                                 "the run predates the goodput ledger")
-    data = path.read_bytes()
-    raw_lines = data.split(b"\n")
-    lines, offset = [], 0
-    for number, raw in enumerate(raw_lines, start=1):
-        line_start, offset = offset, offset + len(raw) + 1
-        if not raw.strip():
-            continue
-        try:
-            entry = json.loads(raw.decode("utf-8"))
-            float(entry["start"]), float(entry["end"]), dict(entry["buckets"])
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-            if not any(rest.strip() for rest in raw_lines[number:]):
-                return lines, line_start  # the last line, torn
-            raise ValueError(f"{path}:{number}: not a goodput ledger line ({err})") from err
-        lines.append(entry)
-    return lines, None
+    return read_json_lines(path, "goodput ledger line", _check_line)
+
+
+def _check_line(entry: dict[str, Any]) -> None:
+    float(entry["start"]), float(entry["end"]), dict(entry["buckets"])
 
 
 def high_water_step(lines: list[dict[str, Any]]) -> int:
@@ -83,10 +73,7 @@ class GoodputLedger:
             if self.path.is_file():
                 lines, torn_at = _parse_ledger(self.path)
                 if torn_at is not None:  # cut off, or this process's lines would follow it
-                    _truncate_atomically(self.path, torn_at)
-                    print(f"{self.path}: dropped a torn last line (its process stopped while "
-                          "writing it); the ledger goes on from the line before",
-                          file=sys.stderr, flush=True)
+                    drop_torn_tail(self.path, torn_at)
                 self.high_water = high_water_step(lines)
 
     def mark(self, bucket: str) -> None:
@@ -117,14 +104,6 @@ class GoodputLedger:
         total = sum(self.totals.values())
         return {**{f"goodput_{k}_s": v for k, v in self.totals.items() if k != "down"},
                 "goodput_process": self.totals["productive"] / total if total else 0.0}
-
-
-def _truncate_atomically(path: Path, size: int) -> None:
-    """Keep the first ``size`` bytes of ``path``: written to a temporary name, then renamed."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(path, "rb") as src:
-        tmp.write_bytes(src.read(size))
-    os.replace(tmp, path)
 
 
 def ledger_totals(lines: list[dict[str, Any]]) -> tuple[dict[str, float], float]:

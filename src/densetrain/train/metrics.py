@@ -15,13 +15,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from densetrain.train.jsonl import drop_torn_tail, read_json_lines
 
 # Dense peak TFLOP/s per device: (bf16, fp32-path). The fp32 column is TF32 tensor-core math
 # where the part has it (PyTorch uses TF32 for fp32 matmuls when allowed), else plain FP32.
@@ -232,19 +233,15 @@ class MetricsWriter:
 
     def _open(self, resume_step: int | None) -> None:
         if self.path.exists():
-            lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines()
-            steps = [_line_step(ln) for ln in lines]
-            torn = sum(1 for ln, step in zip(lines, steps, strict=True)
-                       if ln.strip() and step is None)
-            if torn:  # a write cut short (kill, full disk): the record is lost, not kept torn
-                print(f"{self.path}: dropped {torn} unreadable line(s), a record whose write "
-                      "was cut short; the steps are logged again as they are retrained",
-                      file=sys.stderr, flush=True)
-            kept = [ln for ln, step in zip(lines, steps, strict=True)
-                    if step is not None and step <= (resume_step or 0)]
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
-            os.replace(tmp, self.path)
+            records, torn_at = read_json_lines(self.path, "metrics record", _check_record)
+            if torn_at is not None:
+                drop_torn_tail(self.path, torn_at)
+            kept = [r for r in records if r["step"] <= (resume_step or 0)]
+            if len(kept) < len(records):
+                tmp = self.path.with_name(self.path.name + ".tmp")
+                tmp.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in kept),
+                               encoding="utf-8")
+                os.replace(tmp, self.path)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def write(self, record: dict[str, Any]) -> None:
@@ -268,13 +265,8 @@ class MetricsWriter:
             sink.close()
 
 
-def _line_step(line: str) -> int | None:
-    """The step of one ``metrics.jsonl`` line; None for a line that is not a whole record."""
-    try:
-        record = json.loads(line)
-        return int(record["step"])
-    except (ValueError, TypeError, KeyError):
-        return None
+def _check_record(record: dict[str, Any]) -> None:
+    int(record["step"])
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
@@ -286,15 +278,4 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        if _line_step(line) is None:
-            if number == len(lines):
-                break
-            raise ValueError(f"{path}:{number}: not a metrics record (a JSON object with a "
-                             f"step): {line[:80]!r}")
-        records.append(json.loads(line))
-    return records
+    return read_json_lines(path, "metrics record", _check_record)[0]
