@@ -189,3 +189,22 @@ def test_bf16_compile_runs_the_compiled_loss_kernel_and_tracks_fp32(make_job) ->
     ref = [r["loss"] for r in read_metrics(fp32.logging.run_dir)]
     low = [r["loss"] for r in read_metrics(fast.logging.run_dir)]
     assert low == pytest.approx(ref, abs=2e-2)
+
+
+def test_a_restart_after_torn_log_lines_resumes_and_keeps_the_logs_whole(make_job, capsys):
+    steps = ["--training.steps=6", "--checkpoint.interval=4", "--eval.interval=0",
+             "--eval.sample_tokens=0"]
+    job = make_job(*steps)
+    with pytest.raises(KeyboardInterrupt):
+        train(job, callbacks=[_Interrupt(at=5)])
+    run_dir = Path(job.logging.run_dir)
+    for name, cut in (("metrics.jsonl", 25), ("goodput.jsonl", 25)):  # killed mid-write
+        data = (run_dir / name).read_bytes()
+        (run_dir / name).write_bytes(data[: len(data) - cut])
+    capsys.readouterr()
+    resumed = train(job)
+    assert resumed["resumed_from"].endswith("step-00000004") and resumed["steps"] == 6
+    assert capsys.readouterr().err.count("dropped a torn last line") == 2
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
+    from densetrain.train.goodput import read_ledger
+    assert max(e["step"] for e in read_ledger(run_dir)) == 6
