@@ -3,11 +3,14 @@ readers and dropped by the next process before it appends; an earlier bad line i
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
+from densetrain.train import MetricsWriter, read_metrics
 from densetrain.train.fault_record import FaultRecord, append_history, read_history
+from densetrain.train.goodput import GoodputLedger, read_ledger
 from densetrain.train.jsonl import read_json_lines
 
 
@@ -33,9 +36,42 @@ def test_a_torn_fault_event_is_dropped_on_resume_and_the_earlier_ones_kept(tmp_p
     assert [e["spike_step"] for e in read_history(tmp_path)] == [10, 30]
 
 
-def test_a_bad_line_before_the_last_is_an_error_naming_it(tmp_path):
+def _three_faults(run_dir: Path) -> None:
     for spike in (10, 20, 30):
-        append_history(tmp_path, _rollback(spike, spike - 2))
+        append_history(run_dir, _rollback(spike, spike - 2))
+
+
+def _three_metrics(run_dir: Path) -> None:
+    writer = MetricsWriter(run_dir)
+    for step in (1, 2, 3):
+        writer.write({"step": step, "loss": 1.0})
+    writer.close()
+
+
+def _three_ledger_lines(run_dir: Path) -> None:
+    ledger = GoodputLedger(run_dir, write=True, started=time.time())
+    for step in (1, 2, 3):
+        ledger.mark(ledger.step_bucket(step))
+        ledger.flush(step)
+
+
+@pytest.mark.parametrize("write, read, name, what", [
+    (_three_faults, read_history, "faults.jsonl", "fault event"),
+    (_three_metrics, read_metrics, "metrics.jsonl", "metrics record"),
+    (_three_ledger_lines, read_ledger, "goodput.jsonl", "goodput ledger line"),
+])
+def test_a_bad_line_before_the_last_is_an_error_naming_it(tmp_path, write, read, name, what):
+    write(tmp_path)
+    path = tmp_path / name
+    lines = path.read_text().splitlines()
+    lines[1] = lines[1][:9]  # damaged, not torn: whole lines follow it
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=rf"{name}:2: not a {what} \("):
+        read(tmp_path)
+
+
+def test_a_record_that_is_not_an_object_is_named(tmp_path):
+    _three_faults(tmp_path)
     path = tmp_path / "faults.jsonl"
     lines = path.read_text().splitlines()
     lines[1] = "[1, 2]"
