@@ -5,6 +5,8 @@ Shape legend: B batch, V vocab, S sequence.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from densetrain.generate.kv_cache import KVCache
@@ -19,8 +21,8 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None, *
     temperature_name, top_k_name, top_p_name = names
     if not temperature >= 0:  # also NaN
         raise ValueError(f"{temperature_name} must be >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
-                              or top_k <= 0):
+    if top_k is not None and (isinstance(top_k, bool)
+                              or not isinstance(top_k, numbers.Integral) or top_k <= 0):
         raise ValueError(f"{top_k_name} must be a positive integer (unset: no limit), "
                          f"got {top_k!r}")
     if top_p is not None and not 0 < top_p <= 1:
