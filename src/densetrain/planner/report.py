@@ -62,25 +62,35 @@ def _toml(value: object) -> str:
     return f'"{value}"' if isinstance(value, str) else str(value)
 
 
+TIE = 1e-3
+"""Runners-up less than this share slower than the winner tie with it: the step-time model does
+not separate them."""
+
+
 def explain_runners_up(result: PlanResult, count: int = 4) -> str:
-    """For the next distinct layouts: how much slower and which step-time part costs them most."""
+    """The layouts that tie with the winner, in one line, then for the next ``count`` distinct
+    layouts: how much slower and which step-time part costs them most."""
     best = result.row(0)
     lines = ["Close ones:"]
+    ties: list[str] = []
+    tie_memory = []
     seen = {_signature(result, 0)}
-    i = 1
-    while i < len(result) and len(lines) <= count:
+    for i in range(1, len(result)):
+        if len(lines) > count:
+            break
         sig = _signature(result, i)
         if sig in seen:
-            i += 1
             continue
         seen.add(sig)
         row = result.row(i)
+        slower = 1 - row["tokens_per_s"] / best["tokens_per_s"]
+        if slower < TIE:
+            ties.append(result.layout(i).describe())
+            tie_memory.append(row["mem_total"])
+            continue
         deltas = sorted(((row[k] - best[k], label) for k, label in TIME_PARTS), reverse=True)
         worse, label = deltas[0]
-        slower = 1 - row["tokens_per_s"] / best["tokens_per_s"]
         why = f"+{worse:.3f} s of {label}" if worse > 0 else "no part slower"
-        if slower < 1e-3:
-            why += " (a tie within the model's resolution)"
         gains = [f"{-d:.3f} s less {lab}" for d, lab in deltas if d < 0][:1]
         extra = f" (despite {gains[0]})" if gains else ""
         mem_note = ""
@@ -88,8 +98,17 @@ def explain_runners_up(result: PlanResult, count: int = 4) -> str:
             mem_note = f"; uses {(best['mem_total'] - row['mem_total']) / GB:.1f} GB less memory"
         lines.append(f"  {result.layout(i).describe()}: {slower:.2%} slower, mainly {why}"
                      f"{extra}{mem_note}")
-        i += 1
-    return "\n".join(lines) if len(lines) > 1 else "No other layout fits."
+    out = []
+    if ties:
+        shown = ", ".join(ties[:3]) + (f" and {len(ties) - 3} more" if len(ties) > 3 else "")
+        why = ("the winner needs the least memory of them" if best["mem_total"] <= min(tie_memory)
+               else f"the winner leads them by less than {TIE:.1%}")
+        out.append(f"Tied with the winner ({len(ties)} layout{'s' if len(ties) > 1 else ''} "
+                   f"within {TIE:.1%} of its step time, which the model does not separate; "
+                   f"{why}): {shown}")
+    out.append("\n".join(lines) if len(lines) > 1 else "No other layout fits."
+               if not ties else "No slower layout fits.")
+    return "\n\n".join(out)
 
 
 def _signature(result: PlanResult, i: int) -> tuple:

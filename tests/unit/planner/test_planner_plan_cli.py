@@ -100,3 +100,26 @@ def test_plan_and_help_import_no_torch():
         "assert get_preset('llama3-8b').num_layers == 32\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_runners_up_show_the_ties_in_one_line_then_layouts_that_are_slower():
+    from densetrain.planner.report import TIE, _signature, explain_runners_up
+    from densetrain.planner.search import search
+
+    result = search(get_preset("gpt2-124m"), seq_len=4096, global_batch=1024, devices=8,
+                    cluster=get_cluster("h100"))
+    best = result.row(0)
+    distinct, ties = {_signature(result, 0)}, []
+    for i in range(1, len(result)):
+        if _signature(result, i) not in distinct:
+            distinct.add(_signature(result, i))
+            if 1 - result.row(i)["tokens_per_s"] / best["tokens_per_s"] < TIE:
+                ties.append(i)
+    assert len(ties) > 1  # a small model on 8 GPUs: ZeRO stages and micro-batches tie
+    text = explain_runners_up(result)
+    assert f"Tied with the winner ({len(ties)} layouts within 0.1%" in text
+    assert all(best["mem_total"] <= result.row(i)["mem_total"] for i in ties)
+    assert "the winner needs the least memory of them" in text
+    close = [line for line in text.split("Close ones:\n")[1].splitlines() if line.strip()]
+    assert len(close) == 4
+    assert all(float(line.split(": ")[1].split("%")[0]) >= 100 * TIE for line in close)
