@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from math import inf
+
 from densetrain.planner.search import PlanResult
 
 GB = 1e9
@@ -73,7 +75,7 @@ def explain_runners_up(result: PlanResult, count: int = 4) -> str:
     best = result.row(0)
     lines = ["Close ones:"]
     ties: list[str] = []
-    tie_memory = []
+    tie_memory, tie_traffic = [], []
     seen = {_signature(result, 0)}
     for i in range(1, len(result)):
         if len(lines) > count:
@@ -87,6 +89,7 @@ def explain_runners_up(result: PlanResult, count: int = 4) -> str:
         if slower < TIE:
             ties.append(result.layout(i).describe())
             tie_memory.append(row["mem_total"])
+            tie_traffic.append(_traffic(row))
             continue
         deltas = sorted(((row[k] - best[k], label) for k, label in TIME_PARTS), reverse=True)
         worse, label = deltas[0]
@@ -101,14 +104,23 @@ def explain_runners_up(result: PlanResult, count: int = 4) -> str:
     out = []
     if ties:
         shown = ", ".join(ties[:3]) + (f" and {len(ties) - 3} more" if len(ties) > 3 else "")
-        why = ("the winner needs the least memory of them" if best["mem_total"] <= min(tie_memory)
-               else f"the winner leads them by less than {TIE:.1%}")
+        as_few = [m for m, t in zip(tie_memory, tie_traffic, strict=True) if t == _traffic(best)]
+        if _traffic(best) <= min(tie_traffic) and best["mem_total"] <= min(as_few, default=inf):
+            why = "the winner moves the fewest bytes of them" + (
+                ", and needs the least memory of those that move as few" if as_few else "")
+        else:
+            why = f"the winner leads them by less than {TIE:.1%}"
         out.append(f"Tied with the winner ({len(ties)} layout{'s' if len(ties) > 1 else ''} "
                    f"within {TIE:.1%} of its step time, which the model does not separate; "
                    f"{why}): {shown}")
     out.append("\n".join(lines) if len(lines) > 1 else "No other layout fits."
                if not ties else "No slower layout fits.")
     return "\n\n".join(out)
+
+
+def _traffic(row: dict) -> float:
+    """Bytes a device sends per step over all parallel dimensions."""
+    return sum(row[f"{kind}_bytes"] for kind in ("tp", "dp", "pp", "cp"))
 
 
 def _signature(result: PlanResult, i: int) -> tuple:

@@ -112,7 +112,12 @@ def search(cfg: ModelConfig, *, seq_len: int, global_batch: int, devices: int,
     if not fits.any():
         raise NoFeasibleLayoutError(_explain_memory(cols, metrics, cluster, settings, devices))
     order = np.flatnonzero(fits)
-    order = order[np.lexsort((metrics["mem_total"][order], -metrics["tokens_per_s"][order]))]
+    # Equal predicted speed (communication the model hides behind compute): the layout that
+    # moves fewer bytes first, as it leans least on that overlap, then the smaller footprint
+    # (report.explain_runners_up says which of the two picked the winner).
+    traffic = sum(metrics[f"{kind}_bytes"] for kind in ("tp", "dp", "pp", "cp"))
+    order = order[np.lexsort((metrics["mem_total"][order], traffic[order],
+                              -metrics["tokens_per_s"][order]))]
     return PlanResult(
         cfg=cfg, seq_len=seq_len, global_batch=global_batch, devices=devices, cluster=cluster,
         settings=settings, layouts=cols.take(order),
