@@ -20,7 +20,6 @@ import os
 import shutil
 import sys
 import time
-import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -92,10 +91,9 @@ class AsyncCheckpointer:
 
     def _start(self, tree: dict[str, Any], tmp: Path, step: int) -> None:
         try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-                written = dcp.async_save(tree, checkpoint_id=tmp, process_group=self.group,
-                                         no_dist=not collective.dist_on())
+            collective.quiet_single_process_notice()  # issued from DCP's writer thread
+            written = dcp.async_save(tree, checkpoint_id=tmp, process_group=self.group,
+                                     no_dist=not collective.dist_on())
         except BaseException as err:
             message = describe_write_error(err, self.root, step)
             if collective.rank() == 0:

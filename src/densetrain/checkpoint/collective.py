@@ -7,9 +7,22 @@ list of one on a single process, so the same checkpoint code runs with and witho
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch.distributed as dist
+
+SINGLE_PROCESS_NOTICE = (r"torch\.distributed is (disabled, )?unavailable or uninitialized, "
+                         r"assuming the intent is to (save|load) in a single process")
+"""The UserWarning DCP gives for every save and load without a process group."""
+
+
+def quiet_single_process_notice() -> None:
+    """Ignore `SINGLE_PROCESS_NOTICE` process-wide: densetrain's single-process saves and loads
+    mean it. A filter for the whole process, not a ``warnings.catch_warnings`` block, because
+    ``dcp.async_save`` issues the notice from its writer thread after the caller's block has
+    closed (and ``catch_warnings`` is not thread-safe). Repeated calls add no second filter."""
+    warnings.filterwarnings("ignore", message=SINGLE_PROCESS_NOTICE, category=UserWarning)
 
 
 def dist_on() -> bool:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from densetrain.checkpoint.collective import quiet_single_process_notice
 from densetrain.errors import DamagedFileError, UnsafeFileError, unwrap_error
 
 METADATA_FILE = ".metadata"
@@ -158,14 +158,13 @@ def safe_dcp_load(state_dict: dict[str, Any], checkpoint: str | os.PathLike) -> 
     no_dist = not (dist.is_available() and dist.is_initialized())
     read_dcp_metadata(checkpoint)  # its own errors first (DCP folds them into an assertion)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-            dcp.load(
-                state_dict,
-                storage_reader=SafeFileSystemReader(str(checkpoint)),
-                planner=SafeLoadPlanner(),
-                no_dist=no_dist,
-            )
+        quiet_single_process_notice()
+        dcp.load(
+            state_dict,
+            storage_reader=SafeFileSystemReader(str(checkpoint)),
+            planner=SafeLoadPlanner(),
+            no_dist=no_dist,
+        )
     except CheckpointException as error:
         cause = unwrap_error(error)
         if isinstance(cause, (UnsafeFileError, DamagedFileError)):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -168,9 +167,8 @@ def begin_save(root: Path, step: int, group: Any = None) -> Path | None:
 def write_shards(tree: Mapping[str, Any], tmp: Path, step: int) -> None:
     """``dcp.save`` of ``tree`` into ``tmp`` (collective); a failure removes ``tmp``."""
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-            dcp.save(tree, checkpoint_id=tmp, no_dist=not collective.dist_on())
+        collective.quiet_single_process_notice()
+        dcp.save(tree, checkpoint_id=tmp, no_dist=not collective.dist_on())
     except BaseException as err:
         message = describe_write_error(err, tmp.parent, step)  # before the space is freed
         if collective.rank() == 0:

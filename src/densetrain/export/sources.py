@@ -21,7 +21,6 @@ from the safetensors files, so memory never holds the whole model.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from densetrain.checkpoint.collective import quiet_single_process_notice
 from densetrain.checkpoint.manager import find_training_checkpoint
 from densetrain.checkpoint.safe_pickle import (
     SafeFileSystemReader,
@@ -115,10 +115,9 @@ def _checkpoint_source(checkpoint: Path, tokenizer: Tokenizer | None) -> ExportS
         }
         # No process group: DCP reads the requested entries on this process, whatever layout
         # wrote them, each into its preallocated full tensor (and says so in a warning).
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-            dcp.load(wanted, storage_reader=SafeFileSystemReader(str(checkpoint)),
-                     planner=SafeLoadPlanner(), no_dist=True)
+        quiet_single_process_notice()
+        dcp.load(wanted, storage_reader=SafeFileSystemReader(str(checkpoint)),
+                 planner=SafeLoadPlanner(), no_dist=True)
         return {name: wanted[_MODEL_PREFIX + name] for name in names}
 
     return ExportSource(path=checkpoint, kind="checkpoint",
