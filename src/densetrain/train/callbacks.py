@@ -355,12 +355,14 @@ def plot_loss_curve(run_dir: str | os.PathLike) -> Path | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import EngFormatter
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     ax.plot([r["tokens"] for r in records], [r["loss"] for r in records], label="train")
     evals = [r for r in records if "val_loss" in r]
     if evals:
         ax.plot([r["tokens"] for r in evals], [r["val_loss"] for r in evals], "o-", label="val")
+    ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 400k, 1.2M: no "1e6" offset
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(f"{Path(run_dir).name}: loss")
