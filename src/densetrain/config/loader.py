@@ -188,11 +188,16 @@ def _sections_with_field(key: str, types_by_section: dict[str, type],
             if name != but and key in {f.name for f in dataclasses.fields(section_type)}]
 
 
+def _shown_value(value: str | None) -> str:
+    """``=value`` as a suggested override repeats it; "" for a bare ``--section.flag``."""
+    return f"={value}" if value is not None else ""
+
+
 def _bare_key_hint(key: str, value: str | None, types_by_section: dict[str, type]) -> str:
     """What a key without a section most likely meant: the sections that have a field of that
     name (``--steps=5``: ``--training.steps=5``), a CONFIG file given as ``--config FILE``, or
     the ``--set`` prefix of other tools."""
-    shown = f"={value}" if value is not None else ""
+    shown = _shown_value(value)
     if key in ("config", "config-file", "config_file", "c"):
         return (f"; a config file is not an option: densetrain train {value or 'FILE.toml'} "
                 "[--section.field=value ...]")
@@ -236,7 +241,7 @@ def apply_override(job: JobConfig, key: str, value: str | None, text: str | None
     is_top_field = len(parts) == 2
     if is_top_field and last not in target:
         owners = _sections_with_field(last, types_by_section, but=section_name)
-        shown = f"={value}" if value is not None else ""
+        shown = _shown_value(value)
         moved = ("; it is a field of " + " or ".join(f"[{o}]: --{o}.{last}{shown}"
                                                      for o in owners)) if owners else ""
         raise ValueError(unknown_key_message(key, last, list(target), where) + moved)

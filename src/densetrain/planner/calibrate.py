@@ -33,27 +33,19 @@ import warnings
 from pathlib import Path
 
 
-def _median_seconds(fn, repeats: int = 5) -> float:
+def _median_seconds(fn, repeats: int = 5, pick=statistics.median) -> float:
+    """``pick`` (the median) of ``repeats`` timed calls of ``fn``, after a warm-up call.
+
+    The host overheads, a difference of two small times, take ``pick=min``: other work on a
+    shared host only ever adds time, and a median of a few calls can make the difference come
+    out negative."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _fastest_seconds(fn, repeats: int = 5) -> float:
-    """The fastest of ``repeats`` timed calls (after a warm-up): for host overheads that are a
-    difference of two small times, where other work on a shared host only ever adds time and a
-    median of a few calls can make the difference come out negative."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return pick(times)
 
 
 def gemm_sweep(sides=(64, 128, 256, 512, 768, 1024), dtype_name: str = "float32",
@@ -199,8 +191,8 @@ def _layer_host_rank(rank: int, world_size: int, repeats: int) -> dict:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=False)
 
-            seconds[layers] = (_fastest_seconds(backward, repeats=repeats),
-                               _fastest_seconds(update, repeats=repeats))
+            seconds[layers] = (_median_seconds(backward, repeats=repeats, pick=min),
+                               _median_seconds(update, repeats=repeats, pick=min))
         out[mode] = tuple((seconds[3][k] - seconds[1][k]) / 2 for k in (0, 1))
     return out
 

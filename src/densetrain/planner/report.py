@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from math import inf
 
-from densetrain.planner.search import PlanResult
+from densetrain.planner.search import PlanResult, traffic_bytes
 
 GB = 1e9
 TIME_PARTS = (
@@ -74,8 +74,7 @@ def explain_runners_up(result: PlanResult, count: int = 4) -> str:
     layouts: how much slower and which step-time part costs them most."""
     best = result.row(0)
     lines = ["Close ones:"]
-    ties: list[str] = []
-    tie_memory, tie_traffic = [], []
+    ties: list[tuple[str, dict]] = []  # (layout, row) of the layouts tied with the winner
     seen = {_signature(result, 0)}
     for i in range(1, len(result)):
         if len(lines) > count:
@@ -87,9 +86,7 @@ def explain_runners_up(result: PlanResult, count: int = 4) -> str:
         row = result.row(i)
         slower = 1 - row["tokens_per_s"] / best["tokens_per_s"]
         if slower < TIE:
-            ties.append(result.layout(i).describe())
-            tie_memory.append(row["mem_total"])
-            tie_traffic.append(_traffic(row))
+            ties.append((result.layout(i).describe(), row))
             continue
         deltas = sorted(((row[k] - best[k], label) for k, label in TIME_PARTS), reverse=True)
         worse, label = deltas[0]
@@ -103,9 +100,12 @@ def explain_runners_up(result: PlanResult, count: int = 4) -> str:
                      f"{extra}{mem_note}")
     out = []
     if ties:
-        shown = ", ".join(ties[:3]) + (f" and {len(ties) - 3} more" if len(ties) > 3 else "")
-        as_few = [m for m, t in zip(tie_memory, tie_traffic, strict=True) if t == _traffic(best)]
-        if _traffic(best) <= min(tie_traffic) and best["mem_total"] <= min(as_few, default=inf):
+        names = [name for name, _ in ties]
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        least = traffic_bytes(best)
+        as_few = [row["mem_total"] for _, row in ties if traffic_bytes(row) == least]
+        if (least <= min(traffic_bytes(row) for _, row in ties)
+                and best["mem_total"] <= min(as_few, default=inf)):
             why = "the winner moves the fewest bytes of them" + (
                 ", and needs the least memory of those that move as few" if as_few else "")
         else:
@@ -113,14 +113,11 @@ def explain_runners_up(result: PlanResult, count: int = 4) -> str:
         out.append(f"Tied with the winner ({len(ties)} layout{'s' if len(ties) > 1 else ''} "
                    f"within {TIE:.1%} of its step time, which the model does not separate; "
                    f"{why}): {shown}")
-    out.append("\n".join(lines) if len(lines) > 1 else "No other layout fits."
-               if not ties else "No slower layout fits.")
+    if len(lines) > 1:
+        out.append("\n".join(lines))
+    else:
+        out.append("No slower layout fits." if ties else "No other layout fits.")
     return "\n\n".join(out)
-
-
-def _traffic(row: dict) -> float:
-    """Bytes a device sends per step over all parallel dimensions."""
-    return sum(row[f"{kind}_bytes"] for kind in ("tp", "dp", "pp", "cp"))
 
 
 def _signature(result: PlanResult, i: int) -> tuple:

@@ -115,7 +115,7 @@ def search(cfg: ModelConfig, *, seq_len: int, global_batch: int, devices: int,
     # Equal predicted speed (communication the model hides behind compute): the layout that
     # moves fewer bytes first, as it leans least on that overlap, then the smaller footprint
     # (report.explain_runners_up says which of the two picked the winner).
-    traffic = sum(metrics[f"{kind}_bytes"] for kind in ("tp", "dp", "pp", "cp"))
+    traffic = traffic_bytes(metrics)
     order = order[np.lexsort((metrics["mem_total"][order], traffic[order],
                               -metrics["tokens_per_s"][order]))]
     return PlanResult(
@@ -124,6 +124,12 @@ def search(cfg: ModelConfig, *, seq_len: int, global_batch: int, devices: int,
         metrics={k: v[order] for k, v in metrics.items()}, num_candidates=len(cols),
         elapsed_s=time.perf_counter() - start,
     )
+
+
+def traffic_bytes(metrics):
+    """Bytes a device sends per step over all parallel dimensions: of one row (a dict of
+    numbers) or of every layout (the search's dict of arrays)."""
+    return sum(metrics[f"{kind}_bytes"] for kind in ("tp", "dp", "pp", "cp"))
 
 
 def _explain_memory(cols: LayoutColumns, metrics, cluster: ClusterSpec, settings: PlanSettings,
