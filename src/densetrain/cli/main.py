@@ -83,6 +83,48 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# Options other training tools use for what a densetrain command calls differently
+# (torchrun / Megatron-LM's GPU counts); suggested when the command has the target option.
+_OPTION_ALIASES = {
+    "--gpus": "--devices", "--num-gpus": "--devices", "--ngpus": "--devices",
+    "--world-size": "--devices", "--nproc-per-node": "--devices",
+    "--seq-length": "--seq-len", "--sequence-length": "--seq-len", "--max-seq-len": "--seq-len",
+    "--global-batch-size": "--global-batch", "--batch-size": "--global-batch",
+}
+
+
+def _command_parser(parser: argparse.ArgumentParser,
+                    args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost sub-command parser that ``args`` was parsed by (``parser`` if none)."""
+    for word in _command_name(args).split() if getattr(args, "command", None) else ():
+        actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not actions or word not in actions[0].choices:
+            break
+        parser = actions[0].choices[word]
+    return parser
+
+
+def _unrecognized_message(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """``unrecognized arguments: ...`` with, for each unknown option, the command's own
+    option it most likely means (argparse's message names none)."""
+    import difflib
+
+    known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for word in extra:
+        name = word.split("=", 1)[0]
+        if not name.startswith("--"):
+            continue
+        alias = _OPTION_ALIASES.get(name)
+        guess = [alias] if alias in known else difflib.get_close_matches(name, known, 1, 0.75)
+        if guess:
+            hints.append(f"{name}: did you mean {guess[0]}?")
+    message = f"unrecognized arguments: {' '.join(extra)}"
+    if hints:
+        message += " (" + "; ".join(hints) + ")"
+    return message + f"; `{parser.prog} --help` lists the options"
+
+
 def _command_name(args: argparse.Namespace) -> str:
     """``data prepare``, ``eval perplexity``, ``train``: the words naming the command run."""
     words = [getattr(args, "command", None)]
@@ -118,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     if extra and not getattr(args, "accepts_extra", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        # Reported by the command's own parser: its usage line, not the top level's.
+        command_parser = _command_parser(parser, args)
+        command_parser.error(_unrecognized_message(command_parser, extra))
     if getattr(args, "accepts_extra", False):
         args.extra = extra
     args.debug = debug

@@ -1,0 +1,48 @@
+"""An option a command lacks is reported by that command, with the option it likely means."""
+
+from __future__ import annotations
+
+import pytest
+
+from densetrain.cli.main import main
+
+
+def _error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "argv, command, hint",
+    [
+        # another tool's name for the option (torchrun / Megatron-LM)
+        (["plan", "--model", "llama3-8b", "--gpus", "8"], "plan",
+         "--gpus: did you mean --devices?"),
+        # a typo, found by similarity among the command's own options
+        (["plan", "--devcies", "8"], "plan", "--devcies: did you mean --devices?"),
+        (["eval", "perplexity", "m", "--bach-size", "3"], "eval perplexity",
+         "--bach-size: did you mean --batch-size?"),
+        (["plan", "--seq-length=4096"], "plan", "--seq-length: did you mean --seq-len?"),
+    ],
+)
+def test_unknown_option_names_the_command_and_the_likely_option(capsys, argv, command, hint):
+    line = _error(capsys, argv)
+    assert line.startswith(f"densetrain {command}: error: unrecognized arguments: ")
+    assert hint in line
+    assert f"`densetrain {command} --help` lists the options" in line
+
+
+def test_unknown_option_without_a_likely_one_gets_no_guess(capsys):
+    line = _error(capsys, ["presets", "--zzzz"])
+    assert line == ("densetrain presets: error: unrecognized arguments: --zzzz; "
+                    "`densetrain presets --help` lists the options")
+
+
+def test_alias_is_not_suggested_where_the_command_lacks_its_target(capsys):
+    # `presets` has no --devices: --gpus gets no suggestion rather than a wrong one.
+    line = _error(capsys, ["presets", "--gpus", "8"])
+    assert "did you mean" not in line
