@@ -68,15 +68,22 @@ def _load_model(spec: str):
             raise ValueError(f"--model: file {spec} does not exist")
         import json
 
-        text = path.read_text()
-        if path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            import tomllib  # Python >= 3.11; on 3.10 pass a .json file
+        from densetrain.config.coerce import coerce_dataclass, tomllib
 
-            data = tomllib.loads(text)
-        data = data.get("model", data)
-        return ModelConfig.from_dict(data)
+        try:
+            text = path.read_text(encoding="utf-8")
+            data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        except (ValueError, UnicodeDecodeError) as error:  # JSON and TOML decode errors
+            kind = "JSON" if path.suffix == ".json" else "TOML"
+            raise ValueError(f"--model: {spec} is not valid {kind}: {error}") from None
+        data = data.get("model", data) if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            raise ValueError(f"--model: {spec} must hold a table of ModelConfig fields (at the "
+                             f"top level or under [model]), got a {type(data).__name__}")
+        try:  # each field checked against its type, unknown keys with close matches
+            return coerce_dataclass(data, ModelConfig, "model")
+        except ValueError as error:
+            raise ValueError(f"--model: {spec}: {error}") from None
     from densetrain.models.presets import get_preset
 
     return get_preset(spec)

@@ -59,6 +59,10 @@ def coerce_dataclass(data: dict, cls: type, name: str) -> Any:
         if key not in known:
             raise ValueError(unknown_key_message(f"{name}.{key}", key, known, f"[{name}]"))
         kwargs[key] = coerce(value, hints[key], f"{name}.{key}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"[{name}] misses required field(s) {', '.join(missing)}")
     try:
         return cls(**kwargs)
     except TypeError as error:  # a required field is missing

@@ -63,6 +63,13 @@ def ws(tmp_path_factory) -> Path:
     (root / "empty.txt").write_text("")
     (root / "afile").write_text("not a directory")
     (root / "c.parquet").write_bytes(b"")
+    (root / "model_bad.toml").write_text("dim 64\n")
+    (root / "model_list.json").write_text("[1, 2]\n")
+    (root / "model_partial.toml").write_text("[model]\ndim = 64\n")
+    (root / "model_typo.toml").write_text("dimm = 64\nnum_layers = 2\nnum_heads = 4\n"
+                                          "vocab_size = 1000\n")
+    (root / "model_type.toml").write_text('dim = "wide"\nnum_layers = 2\nnum_heads = 4\n'
+                                          "vocab_size = 1000\n")
     _write_parquet(root / "t.parquet")
     _model_dirs(root, tok)
     _checkpoints(root, tok)
@@ -196,6 +203,16 @@ CASES = [
     ("plan-no-devices", "plan --model gpt2-124m --devices 0",
      ["devices must be a positive integer"]),
     ("plan-unknown-preset", "plan --model gpt9 --devices 8", ["'gpt9'", "densetrain presets"]),
+    ("plan-model-not-toml", "plan --model {ws}/model_bad.toml --devices 8",
+     ["--model", "model_bad.toml", "not valid TOML", "line 1"]),
+    ("plan-model-not-a-table", "plan --model {ws}/model_list.json --devices 8",
+     ["model_list.json", "ModelConfig fields", "got a list"]),
+    ("plan-model-missing-fields", "plan --model {ws}/model_partial.toml --devices 8",
+     ["model_partial.toml", "vocab_size, num_layers, num_heads"]),
+    ("plan-model-unknown-field", "plan --model {ws}/model_typo.toml --devices 8",
+     ["model_typo.toml", "'model.dimm'", "did you mean 'dim'"]),
+    ("plan-model-wrong-type", "plan --model {ws}/model_type.toml --devices 8",
+     ["model_type.toml", "model.dim expects an integer", "'wide'"]),
     ("scaling-fit-missing-csv", "scaling fit {ws}/none.csv", ["none.csv", "does not exist"]),
     ("scaling-optimal-bad-budget", "scaling optimal --flops -3", ["flops must be"]),
     ("goodput-not-a-run", "goodput {ws}/raw", ["goodput.jsonl does not exist"]),

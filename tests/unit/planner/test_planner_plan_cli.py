@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from densetrain.cli.main import main
-from densetrain.models.presets import get_preset
+from densetrain.models.presets import get_preset, list_presets
 from densetrain.models.sizing import param_counts
 from densetrain.planner.hardware import get_cluster
 from densetrain.planner.run_plan import compute_optimal_allocation, plan_run, shape_for_params
@@ -77,6 +77,19 @@ def test_cli_model_from_a_config_file(tmp_path, capsys):
     assert main(["plan", "--model", str(path), "--devices", "8", "--seq-len", "2048",
                  "--global-batch", "32"]) == 0
     assert "model dim 1024, 8 layers" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_a_preset_written_as_json_loads_as_the_same_config(tmp_path, name):
+    # `to_dict` output (rope_scaling as a table, None for derived sizes) read back through the
+    # typed loader gives the preset itself, so the file plans exactly as the preset does.
+    import json
+
+    from densetrain.cli.plan_cmd import _load_model
+
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(get_preset(name).to_dict()))
+    assert _load_model(str(path)) == get_preset(name)
 
 
 def test_plan_and_help_import_no_torch():
