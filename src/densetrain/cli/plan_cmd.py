@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+_CALIBRATE_RANKS = 2
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``plan`` sub-command to ``subparsers``."""
@@ -50,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--calibrate", default=None, metavar="OUT.toml",
                    help="measure this machine (GEMM sweep, memory bandwidth, gloo all-reduce "
                    "between local ranks) and write it as cluster 'this-machine'")
-    p.add_argument("--calibrate-ranks", type=int, default=2,
+    p.add_argument("--calibrate-ranks", type=int, default=None,
                    help="local processes for the collective measurement (default 2)")
     p.add_argument("--emit-config", default=None, metavar="OUT.toml",
                    help="write the winner as a job config that `densetrain train OUT.toml` runs")
@@ -93,7 +95,11 @@ def _calibrate(args: argparse.Namespace) -> int:
     from densetrain.planner.calibrate import calibrate
 
     try:
-        path, entry = calibrate(args.calibrate, ranks=args.calibrate_ranks)
+        ranks = _CALIBRATE_RANKS if args.calibrate_ranks is None else args.calibrate_ranks
+        if ranks < 2:  # refused before the minutes of matmul sweeps, not after them
+            raise ValueError(f"--calibrate-ranks must be >= 2 to measure collectives, "
+                             f"got {ranks}")
+        path, entry = calibrate(args.calibrate, ranks=ranks)
     except RuntimeError as e:
         print(f"densetrain plan: calibration failed: {e}", file=sys.stderr)
         return 1
@@ -142,6 +148,12 @@ def run_plan_command(args: argparse.Namespace) -> int:
             return 0
         if args.calibrate:
             return _calibrate(args)
+        if args.top < 1:
+            raise ValueError(f"--top must be a positive integer (rows of the table), "
+                             f"got {args.top}")
+        if args.calibrate_ranks is not None and not args.calibrate:
+            raise ValueError("--calibrate-ranks needs --calibrate OUT.toml (it sets how many "
+                             "ranks the calibration measures)")
         if args.devices is None:
             raise ValueError("--devices is required (number of accelerators)")
         cluster = get_cluster(args.cluster, extra)

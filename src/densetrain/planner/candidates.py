@@ -36,6 +36,17 @@ class SearchSpace:
     schedules: tuple[str, ...] = PP_SCHEDULES
 
     def __post_init__(self) -> None:
+        for name in ("max_tp", "max_cp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"search space {name} must be a positive integer (1: no "
+                                 f"{name[4:]} split), got {value!r}")
+        for name in ("micro_batch_sizes", "virtual_stages"):
+            bad = [v for v in getattr(self, name)
+                   if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+            if bad or not getattr(self, name):
+                raise ValueError(f"search space {name} must be positive integers, got "
+                                 f"{getattr(self, name)!r}")
         for name, allowed in (("schedules", PP_SCHEDULES),
                               ("activation_checkpointing", AC_POLICIES)):
             unknown = sorted(set(getattr(self, name)) - set(allowed))
