@@ -103,3 +103,12 @@ def test_chunked_loss_on_the_gpu_equals_full_logits_and_holds_about_one_chunk(au
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=tol, atol=tol * w.abs().max().item())
     assert grown < 3 * (chunk * vocab * 4) + 2 * (weight.numel() * 4), grown
+
+
+def test_a_cuda_index_past_the_visible_devices_is_refused():
+    from densetrain.train.device import resolve_device
+
+    count = torch.cuda.device_count()
+    assert resolve_device(f"cuda:{count - 1}") == torch.device("cuda", count - 1)
+    with pytest.raises(ValueError, match=rf"only {count} CUDA device\(s\) are visible"):
+        resolve_device(f"cuda:{count}")

@@ -35,6 +35,19 @@ def run_export(args: argparse.Namespace, source: str, out: str, command: str) ->
     return 0
 
 
+def _shard_gb(text: str) -> float:
+    """``--max-shard-gb``: a finite number of GB above 0."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of GB above 0 (e.g. 5), got {text!r}")
+    return value
+
+
 def add_export_options(parser: argparse.ArgumentParser) -> None:
     """The options shared by ``export --to-hf`` and ``convert --to-hf``."""
     parser.add_argument(
@@ -48,7 +61,7 @@ def add_export_options(parser: argparse.ArgumentParser) -> None:
                              "or the tokenizer.json beside a model directory)")
     parser.add_argument("--no-tokenizer", action="store_true",
                         help="write the weights and configs only")
-    parser.add_argument("--max-shard-gb", type=float, default=5.0,
+    parser.add_argument("--max-shard-gb", type=_shard_gb, default=5.0,
                         help="shard the safetensors past this size (default 5)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output")
 

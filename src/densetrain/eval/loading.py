@@ -34,10 +34,12 @@ _TOKENIZER_NAMES = ("tokenizer.json", "tokenizer.model")
 
 
 def resolve_device(name: str = "auto") -> torch.device:
-    """``auto`` = the first GPU when there is one, else the CPU; otherwise ``torch.device``."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    """``auto`` = the first GPU when there is one, else the CPU; otherwise the named device,
+    checked as the trainer checks it (a ``ValueError`` naming ``--device`` when it is not a
+    device or not there)."""
+    from densetrain.train.device import resolve_device as resolve
+
+    return resolve(name, field="--device")
 
 
 def _tokenizer_beside(directory: Path):

@@ -12,25 +12,40 @@ import torch
 from densetrain.parallel.distributed import env_local_world_size
 
 
-def resolve_device(name: str, *, local_rank: int = 0) -> torch.device:
-    """``auto`` → this rank's GPU when CUDA is available, else CPU; other names as given.
+def resolve_device(name: str, *, local_rank: int = 0, field: str = "training.device"
+                   ) -> torch.device:
+    """``auto`` → this rank's GPU when CUDA is available, else CPU; other names as given
+    (``cpu``, ``cuda``, ``cuda:N``, ``mps``, ...).
 
-    Raises ``ValueError`` naming ``training.device`` when the requested device is unavailable.
+    Raises ``ValueError`` naming ``field`` (the config field or flag the name came from) when
+    the name is not a device or the device is not there.
     """
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", local_rank % torch.cuda.device_count())
         return torch.device("cpu")
-    device = torch.device(name)
+    given = f"{field} {name}" if field.startswith("--") else f"{field}={name!r}"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{given} is not a device; allowed: auto, cpu, cuda, "
+                         "cuda:N, mps") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(
-                f"training.device={name!r} but no CUDA device is visible; use 'cpu' or 'auto'"
-            )
+            build = ("this PyTorch build has no CUDA" if torch.version.cuda is None
+                     else "no CUDA device is visible")
+            raise ValueError(f"{given} but {build} (torch {torch.__version__}); "
+                             "use 'cpu' or 'auto'")
+        count = torch.cuda.device_count()
         if device.index is None:
-            device = torch.device("cuda", local_rank % torch.cuda.device_count())
+            device = torch.device("cuda", local_rank % count)
+        elif device.index >= count:
+            raise ValueError(f"{given} but only {count} CUDA device(s) are visible "
+                             f"(cuda:0 to cuda:{count - 1})")
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"training.device={name!r} but MPS is not available; use 'cpu'")
+        raise ValueError(f"{given} but MPS is not available; use 'cpu'")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"{given}: densetrain runs on cpu, cuda and mps devices")
     return device
 
 

@@ -200,6 +200,8 @@ CASES = [
      ["--top-p", "needs sampling", "--temperature"]),
     ("generate-samples-when-greedy", "generate {ws}/native --prompt x --num-samples 3",
      ["--num-samples 3", "greedy", "--temperature"]),
+    ("generate-no-such-device", "generate {ws}/native --prompt x --device tpu",
+     ["--device tpu is not a device", "cpu, cuda"]),
     ("plan-no-devices", "plan --model gpt2-124m --devices 0",
      ["devices must be a positive integer"]),
     ("plan-unknown-preset", "plan --model gpt9 --devices 8", ["'gpt9'", "densetrain presets"]),

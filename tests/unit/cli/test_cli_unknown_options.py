@@ -1,4 +1,4 @@
-"""An option a command lacks is reported by that command, with the option it likely means."""
+"""Parser errors: an option a command lacks (with the option it likely means), a bad flag value."""
 
 from __future__ import annotations
 
@@ -46,3 +46,14 @@ def test_alias_is_not_suggested_where_the_command_lacks_its_target(capsys):
     # `presets` has no --devices: --gpus gets no suggestion rather than a wrong one.
     line = _error(capsys, ["presets", "--gpus", "8"])
     assert "did you mean" not in line
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "five"])
+@pytest.mark.parametrize("command", [["export", "run"],
+                                     ["convert", "--to-hf", "run", "--out", "o"]])
+def test_shard_size_must_be_a_number_above_zero(capsys, tmp_path, command, value):
+    # Refused by the parser, before any source is read (the source here does not exist).
+    line = _error(capsys, command + (["--to-hf", str(tmp_path)] if command[0] == "export" else [])
+                  + ["--max-shard-gb", value])
+    assert line == (f"densetrain {command[0]}: error: argument --max-shard-gb: must be a number "
+                    f"of GB above 0 (e.g. 5), got '{value}'")
