@@ -147,8 +147,8 @@ def _run_prepare(args: argparse.Namespace, cfg, prepare_dataset) -> dict | None:
         return prepare_dataset_distributed(args.inputs, args.output, **common)
     if args.workers != 1:
         return prepare_dataset_parallel(args.inputs, args.output, workers=args.workers, **common)
-    return prepare_dataset(args.inputs, args.output, max_shards=args.max_shards, progress=True,
-                           **common)
+    return prepare_dataset(args.inputs, args.output, max_shards=args.max_shards,
+                           progress=sys.stderr.isatty(), **common)  # no bar lines in a log
 
 
 def _inspect(args: argparse.Namespace) -> int:

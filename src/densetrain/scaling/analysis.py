@@ -167,7 +167,17 @@ def load_parametric_law(path: str | Path):
     """The approach 3 law from a ``fit.json`` written by ``scaling fit``."""
     from densetrain.scaling.laws import ChinchillaLaw
 
-    doc = json.loads(Path(path).read_text())
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"fit file {path} does not exist; `densetrain scaling fit RESULTS` "
+                         "writes one (fit.json)")
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
+        raise ValueError(f"fit file {path} is not valid JSON: {error}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"fit file {path} must hold a JSON object (as `scaling fit` writes), "
+                         f"got a {type(doc).__name__}")
     if "parametric" not in doc:
         reason = doc.get("failures", {}).get("approach3_parametric", "absent from the file")
         raise ValueError(f"{path}: no parametric fit ({reason})")

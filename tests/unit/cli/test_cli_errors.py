@@ -64,6 +64,8 @@ def ws(tmp_path_factory) -> Path:
     (root / "afile").write_text("not a directory")
     (root / "c.parquet").write_bytes(b"")
     (root / "model_bad.toml").write_text("dim 64\n")
+    (root / "fit_bad.json").write_text("{not json\n")
+    (root / "fit_list.json").write_text("[1]\n")
     (root / "model_list.json").write_text("[1, 2]\n")
     (root / "model_partial.toml").write_text("[model]\ndim = 64\n")
     (root / "model_typo.toml").write_text("dimm = 64\nnum_layers = 2\nnum_heads = 4\n"
@@ -225,6 +227,12 @@ CASES = [
      ["--calibrate-ranks must be >= 2", "got 1"]),
     ("scaling-fit-missing-csv", "scaling fit {ws}/none.csv", ["none.csv", "does not exist"]),
     ("scaling-optimal-bad-budget", "scaling optimal --flops -3", ["flops must be"]),
+    ("scaling-optimal-missing-fit", "scaling optimal --flops 1e21 --fit {ws}/nofit.json",
+     ["nofit.json does not exist", "scaling fit"]),
+    ("scaling-optimal-bad-fit", "scaling optimal --flops 1e21 --fit {ws}/fit_bad.json",
+     ["fit_bad.json is not valid JSON", "line 1"]),
+    ("scaling-optimal-fit-not-object", "scaling optimal --flops 1e21 --fit {ws}/fit_list.json",
+     ["fit_list.json must hold a JSON object", "got a list"]),
     ("goodput-not-a-run", "goodput {ws}/raw", ["goodput.jsonl does not exist"]),
     ("train-key-without-section", "train --steps=5", ["'steps'", "--training.steps=5"]),
     ("train-config-as-option", "train --config {ws}/run.toml",
