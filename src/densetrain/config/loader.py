@@ -96,8 +96,12 @@ def _merge_into(job: JobConfig, data: dict, source: str) -> None:
     types_by_section = _section_types()
     for section_name, values in data.items():
         if section_name not in types_by_section:
+            owners = _sections_with_field(section_name, types_by_section)
+            moved = (f"; {section_name} is a field: put it under "
+                     f"{' or '.join(f'[{o}]' for o in owners)}" if owners else "")
             raise ValueError(
                 unknown_key_message(section_name, section_name, list(types_by_section), source)
+                + moved
             )
         if not isinstance(values, dict):
             raise ValueError(f"{source}: [{section_name}] must be a table, got {values!r}")
@@ -146,6 +150,12 @@ def load_job_config(
                 data = tomllib.load(handle)
         except FileNotFoundError:
             raise ValueError(f"config file {source!r} does not exist") from None
+        except IsADirectoryError:
+            raise ValueError(f"config file {source!r} is a directory; give a TOML file (e.g. "
+                             "one written by `densetrain plan --emit-config`)") from None
+        except UnicodeDecodeError as error:
+            raise ValueError(f"config file {source!r} is not valid TOML: not UTF-8 text "
+                             f"({error})") from None
         except tomllib.TOMLDecodeError as error:
             raise ValueError(f"config file {source!r} is not valid TOML: {error}") from None
         job = job_config_from_dict(data, source=f"config file {source!r}", validate=False)

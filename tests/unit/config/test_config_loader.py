@@ -110,6 +110,24 @@ def test_a_field_in_the_wrong_section_names_its_section(tmp_path):
         load_job_config(path)
 
 
+def test_a_field_outside_any_section_names_its_section_and_moving_it_works(tmp_path):
+    path = tmp_path / "flat.toml"
+    path.write_text("steps = 7\n")
+    with pytest.raises(ValueError, match=r"flat.toml.*steps is a field: put it under \[training\]"):
+        load_job_config(path)
+    path.write_text("[training]\nsteps = 7\n")
+    assert load_job_config(path).training.steps == 7
+
+
+def test_a_directory_or_binary_file_as_config_is_named(tmp_path):
+    with pytest.raises(ValueError, match=r"config file .* is a directory; give a TOML file"):
+        load_job_config(tmp_path)
+    path = tmp_path / "binary.toml"
+    path.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ValueError, match=r"binary.toml' is not valid TOML: not UTF-8 text"):
+        load_job_config(path)
+
+
 def test_a_key_in_several_sections_names_each():
     with pytest.raises(ValueError, match=r"--data.seed=3 or --training.seed=3"):
         load_job_config(None, ["--seed=3"])
