@@ -307,14 +307,23 @@ def resolve_dp_shard(parallel: Any, world_size: int) -> tuple[int | None, str | 
             return None, (f"parallel degrees dp_replicate={parallel.dp_replicate} x "
                           f"cp={parallel.cp} x tp={parallel.tp} x pp={parallel.pp} = {others} do "
                           f"not divide the world size {world_size}; dp_shard=-1 needs world_size "
-                          "to be a multiple of their product")
+                          "to be a multiple of their product" + _launch_hint(world_size, others))
         return world_size // others, None
     if others * parallel.dp_shard != world_size:
+        needed = others * parallel.dp_shard
         return None, (f"parallel degrees must multiply to the world size: dp_replicate="
                       f"{parallel.dp_replicate} x dp_shard={parallel.dp_shard} x cp={parallel.cp}"
-                      f" x tp={parallel.tp} x pp={parallel.pp} = {others * parallel.dp_shard}, "
-                      f"but world_size = {world_size}")
+                      f" x tp={parallel.tp} x pp={parallel.pp} = {needed}, "
+                      f"but world_size = {world_size}" + _launch_hint(world_size, needed))
     return parallel.dp_shard, None
+
+
+def _launch_hint(world_size: int, needed: int) -> str:
+    """How to start ``needed`` processes, when the run was started as one."""
+    if world_size != 1 or needed < 2:
+        return ""
+    return (f"; this is one process: start {needed} with `torchrun --standalone "
+            f"--nproc-per-node={needed} -m densetrain train ...`")
 
 
 _LAYOUT_FIELDS = ("dp_replicate", "tp", "pp", "cp", "zero_stage", "sequence_parallel",

@@ -72,8 +72,15 @@ def test_world_size_rules():
         job.validate(world_size=8)
     with pytest.raises(ValueError, match=r"parallel.tp=3 must divide the attention heads"):
         _job("--parallel.tp=3").validate(world_size=4)
-    with pytest.raises(ValueError, match=r"tp=2 x pp=1 = 2 do not divide the world size 3"):
+    with pytest.raises(ValueError, match=r"tp=2 x pp=1 = 2 do not divide the world size 3") as e:
         _job("--parallel.tp=2").validate(world_size=3)
+    assert "torchrun" not in str(e.value)  # several processes already: no launch hint
+    # One process with a layout of several: how to start them.
+    with pytest.raises(ValueError, match=r"this is one process: start 2 with `torchrun "
+                                         r"--standalone --nproc-per-node=2 -m densetrain train"):
+        _job("--parallel.tp=2").validate(world_size=1)
+    with pytest.raises(ValueError, match=r"start 4 with `torchrun --standalone --nproc-per-node=4"):
+        job.validate(world_size=1)
 
 
 def test_warmup_tokens_and_ramp_resolve_to_steps():
