@@ -196,8 +196,18 @@ def file_perplexity(
     from densetrain.data.sources import ReadStats, expand_inputs, iter_documents
 
     files = expand_inputs([str(p) for p in inputs])
-    documents = iter_documents(files, text_field=text_field, stats=ReadStats())
-    return text_perplexity(model, tokenizer, documents, cfg)
+    stats = ReadStats()
+    documents = iter_documents(files, text_field=text_field, stats=stats)
+    result = text_perplexity(model, tokenizer, documents, cfg)
+    if result.tokens == 0:  # a loss of 0 nats over 0 tokens is no measurement
+        skipped = [f"{count} {what} skipped" for count, what in (
+            (stats.skipped_binary_files, "binary files"), (stats.skipped_lines, "bad lines"))
+            if count]
+        detail = f" ({', '.join(skipped)})" if skipped else ""
+        raise ValueError(f"inputs {[str(p) for p in inputs]} hold no text to score: "
+                         f"{result.documents} documents, 0 tokens{detail}; give text, JSONL or "
+                         "Parquet files with some text in them")
+    return result
 
 
 def dataset_perplexity(

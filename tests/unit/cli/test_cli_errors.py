@@ -186,6 +186,8 @@ CASES = [
      ["layers.0.mlp.w_up.weight", "NaN"]),
     ("eval-non-finite-loss", "eval perplexity {ws}/native_overflow --text {ws}/raw/d000.txt",
      ["native_overflow", "non-finite", "--dtype"]),
+    ("eval-empty-text", "eval perplexity {ws}/native --text {ws}/empty.txt",
+     ["empty.txt", "no text to score", "0 tokens"]),
     ("eval-missing-text", "eval perplexity {ws}/native --text {ws}/none.txt", ["none.txt"]),
     ("generate-truncated-shard", "generate {ws}/ckpt_trunc --prompt x",
      ["ckpt_trunc", "truncated or damaged"]),
