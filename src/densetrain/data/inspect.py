@@ -15,6 +15,9 @@ def inspect_dataset(
     path: str | os.PathLike, *, split: str = "train", sample_tokens: int = 200, top_k: int = 10
 ) -> dict:
     """Summary of one split of a prepared dataset (plain JSON-able values)."""
+    for name, value in (("sample_tokens", sample_tokens), ("top_k", top_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0 (0: none shown), got {value!r}")
     root = Path(path)
     meta = load_metadata(root)
     if split not in meta["splits"]:
