@@ -50,6 +50,10 @@ def model_info(name_or_path: str, *, seq_len: int | None = None, kv_bytes: int =
     cfg = _config_from_path(name_or_path)
     if cfg is None:
         cfg = get_preset(name_or_path)
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)
+                                or seq_len < 1):
+        raise ValueError(f"--seq-len must be a positive integer (default: the model's "
+                         f"max_seq_len {cfg.max_seq_len}), got {seq_len!r}")
     seq = seq_len or cfg.max_seq_len
     counts = sizing.param_counts(cfg)
     return {

@@ -208,6 +208,8 @@ CASES = [
      ["--num-samples 3", "greedy", "--temperature"]),
     ("generate-no-such-device", "generate {ws}/native --prompt x --device tpu",
      ["--device tpu is not a device", "cpu, cuda"]),
+    ("model-info-zero-seq", "model-info gpt2-124m --seq-len 0",
+     ["--seq-len must be a positive integer", "1024", "got 0"]),
     ("plan-no-devices", "plan --model gpt2-124m --devices 0",
      ["devices must be a positive integer"]),
     ("plan-unknown-preset", "plan --model gpt9 --devices 8", ["'gpt9'", "densetrain presets"]),
