@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-_CALIBRATE_RANKS = 2
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``plan`` sub-command to ``subparsers``."""
@@ -95,11 +93,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     from densetrain.planner.calibrate import calibrate
 
     try:
-        ranks = _CALIBRATE_RANKS if args.calibrate_ranks is None else args.calibrate_ranks
-        if ranks < 2:  # refused before the minutes of matmul sweeps, not after them
-            raise ValueError(f"--calibrate-ranks must be >= 2 to measure collectives, "
-                             f"got {ranks}")
-        path, entry = calibrate(args.calibrate, ranks=ranks)
+        given = {} if args.calibrate_ranks is None else {"ranks": args.calibrate_ranks}
+        path, entry = calibrate(args.calibrate, **given)  # calibrate() holds the default
     except RuntimeError as e:
         print(f"densetrain plan: calibration failed: {e}", file=sys.stderr)
         return 1

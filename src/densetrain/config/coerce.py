@@ -65,7 +65,7 @@ def coerce_dataclass(data: dict, cls: type, name: str) -> Any:
         raise ValueError(f"[{name}] misses required field(s) {', '.join(missing)}")
     try:
         return cls(**kwargs)
-    except TypeError as error:  # a required field is missing
+    except TypeError as error:  # a constructor that refuses the fields' combination
         raise ValueError(f"{name}: {error}") from None
 
 

@@ -346,12 +346,7 @@ def _copy_tokenizer(tok: Tokenizer, destination: Path) -> None:
 
 def _check_not_empty(inputs: list[str], read: ReadStats, meta: dict) -> None:
     """``UserError`` when the inputs gave no tokens, saying what was skipped or removed."""
-    skipped = []
-    if read.skipped_binary_files:
-        skipped.append(f"{read.skipped_binary_files} binary files skipped")
-    if read.skipped_lines:
-        skipped.append(f"{read.skipped_lines} bad lines skipped")
-    detail = f" ({', '.join(skipped)})" if skipped else ""
+    detail = read.skipped_note()
     if read.documents == 0:
         raise UserError(f"inputs {inputs} contain no documents{detail}; give text, JSONL or "
                         "Parquet files with some text in them")

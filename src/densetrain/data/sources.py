@@ -46,6 +46,13 @@ class ReadStats:
     skipped_binary_files: int = 0
     skipped_binary_examples: list[str] = field(default_factory=list)
 
+    def skipped_note(self) -> str:
+        """`` (2 binary files skipped, 1 bad lines skipped)``, or "" when nothing was skipped."""
+        skipped = [f"{count} {what} skipped" for count, what in (
+            (self.skipped_binary_files, "binary files"), (self.skipped_lines, "bad lines"))
+            if count]
+        return f" ({', '.join(skipped)})" if skipped else ""
+
     def as_dict(self) -> dict:
         """Plain-JSON form for metadata."""
         return {

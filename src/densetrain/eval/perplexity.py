@@ -200,13 +200,9 @@ def file_perplexity(
     documents = iter_documents(files, text_field=text_field, stats=stats)
     result = text_perplexity(model, tokenizer, documents, cfg)
     if result.tokens == 0:  # a loss of 0 nats over 0 tokens is no measurement
-        skipped = [f"{count} {what} skipped" for count, what in (
-            (stats.skipped_binary_files, "binary files"), (stats.skipped_lines, "bad lines"))
-            if count]
-        detail = f" ({', '.join(skipped)})" if skipped else ""
         raise ValueError(f"inputs {[str(p) for p in inputs]} hold no text to score: "
-                         f"{result.documents} documents, 0 tokens{detail}; give text, JSONL or "
-                         "Parquet files with some text in them")
+                         f"{result.documents} documents, 0 tokens{stats.skipped_note()}; give "
+                         "text, JSONL or Parquet files with some text in them")
     return result
 
 

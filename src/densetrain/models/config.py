@@ -277,11 +277,6 @@ class ModelConfig:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"unknown ModelConfig fields {unknown}; allowed: {sorted(names)}")
-        missing = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in data
-                   and f.default is dataclasses.MISSING
-                   and f.default_factory is dataclasses.MISSING]
-        if missing:
-            raise ValueError(f"missing required ModelConfig fields {missing} (or name a preset)")
         return cls(**data)
 
 
