@@ -3,7 +3,7 @@
 The common path (causal, no document mask, no ALiBi, window not shorter than the sequence) calls
 ``scaled_dot_product_attention(is_causal=True)`` and never builds an S×S mask. Sliding windows
 shorter than the sequence, document masks, ALiBi and KV-cache decoding pass an explicit mask
-built by ``build_attention_mask``.
+built by `densetrain.models.masks.build_attention_mask`.
 
 Shape legend: B batch, S (or Q) query positions, T (or K) key positions, D dim, H heads,
 G kv heads, K head_dim.
@@ -11,7 +11,6 @@ G kv heads, K head_dim.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -20,21 +19,10 @@ from torch import nn
 
 from densetrain.models.config import ModelConfig
 from densetrain.models.linear import Linear
+from densetrain.models.masks import AttentionMask
 from densetrain.models.norms import build_head_norm
-from densetrain.models.positions import alibi_bias, apply_rope
+from densetrain.models.positions import apply_rope
 from densetrain.models.relative import RelativePositionXL
-
-
-@dataclass(frozen=True)
-class AttentionMask:
-    """How the attention of one forward is masked: ``is_causal`` (no tensor) or ``mask``.
-
-    ``mask`` is boolean [B or 1, 1, Q, T] (True = may attend) or an additive float bias
-    [B, H, Q, T] (ALiBi, with -inf where attention is not allowed).
-    """
-
-    is_causal: bool
-    mask: torch.Tensor | None = None
 
 
 class AttentionFn(Protocol):
@@ -188,37 +176,6 @@ class LayerCache(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new keys/values; return the keys/values to attend over ([B, G, T, K])."""
         ...
-
-
-def build_attention_mask(
-    *,
-    q_index_BQ: torch.Tensor,
-    k_index_BT: torch.Tensor,
-    sliding_window: int | None,
-    q_doc_BQ: torch.Tensor | None = None,
-    k_doc_BT: torch.Tensor | None = None,
-    alibi_slopes_H: torch.Tensor | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> AttentionMask:
-    """Explicit mask from absolute token indices (and document ids): causal, windowed, per doc.
-
-    Keys with a negative index are empty cache slots and are never attended. With ALiBi the
-    result is an additive bias (distance uses the same indices, so positions restarting per
-    document give the same bias: cross-document pairs are masked anyway).
-    """
-    q_BQ1 = q_index_BQ.unsqueeze(-1)
-    k_B1T = k_index_BT.unsqueeze(-2)
-    allowed_BQT = (k_B1T <= q_BQ1) & (k_B1T >= 0)
-    if sliding_window is not None:
-        allowed_BQT = allowed_BQT & (q_BQ1 - k_B1T < sliding_window)
-    if q_doc_BQ is not None and k_doc_BT is not None:
-        allowed_BQT = allowed_BQT & (q_doc_BQ.unsqueeze(-1) == k_doc_BT.unsqueeze(-2))
-    allowed_B1QT = allowed_BQT.unsqueeze(1)
-    if alibi_slopes_H is None:
-        return AttentionMask(is_causal=False, mask=allowed_B1QT)
-    bias_BHQT = alibi_bias(alibi_slopes_H, q_index_BQ, k_index_BT)
-    bias_BHQT = bias_BHQT.masked_fill(~allowed_B1QT, float("-inf")).to(dtype)
-    return AttentionMask(is_causal=False, mask=bias_BHQT)
 
 
 class Attention(nn.Module):

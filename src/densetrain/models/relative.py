@@ -29,17 +29,13 @@ D dim.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from densetrain.models.config import ModelConfig
 from densetrain.models.linear import Linear
-
-if TYPE_CHECKING:
-    from densetrain.models.attention import AttentionMask
+from densetrain.models.masks import AttentionMask
 
 
 def relative_sinusoids(

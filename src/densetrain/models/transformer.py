@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from densetrain.models.attention import Attention, AttentionMask, build_attention_mask
+from densetrain.models.attention import Attention
 from densetrain.models.config import ModelConfig
 from densetrain.models.linear import Linear, linear
 from densetrain.models.loss import LossOutput, chunked_lm_loss, cross_entropy_loss
+from densetrain.models.masks import AttentionMask, build_attention_mask
 from densetrain.models.mlp import MLP
 from densetrain.models.norms import build_norm
 from densetrain.models.positions import alibi_slopes, rope_cos_sin

@@ -61,7 +61,8 @@ class ContextParallelAttention:
 
     def __call__(self, q_BHSK, k_BGTK, v_BGTK, mask, *, dropout_p: float, enable_gqa: bool):
         """Attention of this rank's queries over the keys of every cp rank."""
-        from densetrain.models.attention import AttentionMask, scaled_dot_product
+        from densetrain.models.attention import scaled_dot_product
+        from densetrain.models.masks import AttentionMask
 
         if not mask.is_causal:
             raise ValueError(

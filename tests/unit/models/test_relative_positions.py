@@ -14,9 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from densetrain.models.attention import Attention, AttentionMask
+from densetrain.models.attention import Attention
 from densetrain.models.config import ModelConfig
 from densetrain.models.hf import config_to_hf, dt_param_shapes
+from densetrain.models.masks import AttentionMask
 from densetrain.models.presets import get_preset, list_presets
 from densetrain.models.sizing import param_counts
 from densetrain.models.transformer import Transformer

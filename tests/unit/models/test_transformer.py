@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from densetrain.models import ModelConfig, Transformer
-from densetrain.models.attention import AttentionMask
+from densetrain.models.masks import AttentionMask
 
 VOCAB = 256
 
