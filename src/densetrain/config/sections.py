@@ -13,8 +13,9 @@ import math
 import re
 from dataclasses import dataclass
 
+from densetrain.parallel.config import FLOAT8_RECIPES
+
 DTYPES = ("fp32", "bf16", "float8")
-FLOAT8_RECIPES = ("tensorwise", "rowwise")  # see densetrain.parallel.float8
 HOST_ALLOCATORS = ("tuned", "system")  # see densetrain.train.host_malloc
 NAN_POLICIES = ("stop", "skip")
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")

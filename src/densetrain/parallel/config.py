@@ -17,6 +17,8 @@ interleaved 1F1B (Megatron virtual stages), interleaved zero-bubble (Qi et al. 2
 backward into input and weight gradients) and its V-shaped variant (two stages per rank)."""
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 ZERO_STAGES = (1, 2, 3)
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+"""float8 scaling recipes of ``training.float8_recipe`` (`parallel.float8` says what each does)."""
 
 
 @dataclass(kw_only=True)

@@ -26,8 +26,8 @@ import logging
 
 from torch import nn
 
-from densetrain.config.sections import FLOAT8_RECIPES
 from densetrain.errors import UserError
+from densetrain.parallel.config import FLOAT8_RECIPES
 
 __all__ = ["FLOAT8_RECIPES", "convert_blocks_to_float8", "float8_linear_count"]
 
