@@ -151,15 +151,14 @@ class _Preparer:
         """Load ``progress.json`` if present (checking inputs and settings), clean orphans."""
         path = self.out / PROGRESS_FILE
         if path.exists():
-            saved = json.loads(path.read_text())
-            for key in ("settings_hash", "tokenizer_fingerprint", "sources"):
-                if saved[key] != self.state[key]:
-                    raise UserError(
-                        f"{self.out} holds an interrupted prepare with a different {key}; "
-                        "rerun with the same inputs and settings, or start again with "
-                        "--overwrite (overwrite=True in Python)"
-                    )
-            self.state = saved
+            key = self.saved_mismatch()
+            if key is not None:
+                raise UserError(
+                    f"{self.out} holds an interrupted prepare with a different {key}; "
+                    "rerun with the same inputs and settings, or start again with "
+                    "--overwrite (overwrite=True in Python)"
+                )
+            self.state = json.loads(path.read_text())
             self._restore_dedup()
         listed = {e[k] for s in self.state["shards"].values() for e in s for k in ("file", "docs")}
         listed.update(self.state["dedup_files"])
@@ -169,6 +168,16 @@ class _Preparer:
             for p in sorted((self.out / sub).glob("*")) if (self.out / sub).is_dir() else []:
                 if f"{sub}/{p.name}" not in listed:
                     p.unlink()  # temporary or uncommitted file of an interrupted run
+
+    def saved_mismatch(self) -> str | None:
+        """The first of settings, tokenizer and sources that ``progress.json`` records
+        differently from this run (None when it matches or there is none)."""
+        path = self.out / PROGRESS_FILE
+        if not path.exists():
+            return None
+        saved = json.loads(path.read_text())
+        keys = ("settings_hash", "tokenizer_fingerprint", "sources")
+        return next((key for key in keys if saved.get(key) != self.state[key]), None)
 
     def _restore_dedup(self) -> None:
         for name in self.state["dedup_files"]:
@@ -358,16 +367,105 @@ def _check_not_empty(inputs: list[str], read: ReadStats, meta: dict) -> None:
         )
 
 
-def claim_output_dir(out: Path, overwrite: bool) -> None:
-    """Refuse a complete prepared dataset at ``out`` unless ``overwrite``, which removes it
-    (single-process and multi-worker prepares alike)."""
-    if (out / META_FILE).exists() and not overwrite:
+WORK_DIR = ".scaleout"  # the work in progress of a prepare over several workers (scaleout)
+# Everything a prepare writes at the top of its output directory; ``*.tmp`` are half-written
+# files and ``*.model`` a copied SentencePiece tokenizer.
+_LAYOUT = {META_FILE, PROGRESS_FILE, WORK_DIR, "train", "val", "dedup", "tokenizer.json",
+           "tokenizer_config.json"}
+_MARKERS = (META_FILE, PROGRESS_FILE, WORK_DIR)  # one of them: the directory is a dataset
+_STATE = {META_FILE, PROGRESS_FILE, WORK_DIR, "train", "val", "dedup"}  # not a tokenizer
+
+
+def _foreign_entries(directory: Path) -> list[str]:
+    """The names in ``directory`` that are no part of a prepared dataset's layout."""
+    return sorted(p.name for p in directory.iterdir()
+                  if p.name not in _LAYOUT and not p.name.endswith((".tmp", ".model")))
+
+
+@dataclass
+class OutputClaim:
+    """Where one prepare writes: ``build`` is ``target`` (the output directory) itself, or,
+    when ``--overwrite`` replaces a dataset, a hidden sibling that `finish` swaps in, so that a
+    run which fails or is stopped leaves the old dataset as it was."""
+
+    target: Path
+    build: Path
+    existed: bool  # ``build`` was there before this run (an empty or interrupted directory)
+
+    @property
+    def staged(self) -> bool:
+        """True when the run builds beside the dataset it replaces."""
+        return self.build != self.target
+
+    def reset(self) -> None:
+        """Empty a staging directory of an earlier --overwrite run that cannot be resumed."""
+        assert self.staged
+        shutil.rmtree(self.build)
+        self.existed = False
+
+    def discard(self) -> None:
+        """Remove what prepares wrote into ``build``: the run ended on an error in the input,
+        which a rerun would meet again, so its resume state would only block the next run."""
+        if not self.build.is_dir():
+            return
+        if self.staged or not self.existed:
+            shutil.rmtree(self.build)
+            return
+        for entry in self.build.iterdir():  # a directory of the user's: the resume state only
+            if entry.name in _STATE or entry.name.endswith(".tmp"):
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+
+    def finish(self) -> None:
+        """Put a staged dataset in the place of the one it replaces."""
+        if not self.staged:
+            return
+        old = _sibling(self.target, "prepare-old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(self.target, old)
+        os.replace(self.build, self.target)
+        shutil.rmtree(old)
+
+
+def _sibling(out: Path, what: str) -> Path:
+    out = out.resolve()  # beside the directory itself when ``out`` is a symbolic link to it
+    return out.parent / f".{out.name}.{what}"
+
+
+def claim_output_dir(out: Path, overwrite: bool) -> OutputClaim:
+    """Where a prepare into ``out`` writes (single-process and multi-worker prepares alike).
+
+    ``out`` may be new, empty, or a densetrain dataset: an interrupted prepare (resumed) or a
+    complete one (refused unless ``overwrite``, which builds the new one beside it). A file,
+    or a directory holding anything else, is refused: nothing outside a dataset is removed.
+    """
+    old = _sibling(out, "prepare-old")
+    if not out.exists() and old.is_dir() and not _foreign_entries(old):
+        os.replace(old, out)  # a replacement stopped between its two renames: the old dataset
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output {out} is a file, not a directory; a prepared dataset is a "
+                        "directory: choose a new or empty directory as --output")
+    entries = list(out.iterdir()) if out.is_dir() else []
+    foreign = _foreign_entries(out) if entries else []
+    if entries and (foreign or not any((out / m).exists() for m in _MARKERS)):
+        shown = ", ".join(foreign[:3] or [p.name for p in entries[:3]])
+        more = " (--overwrite replaces only a densetrain dataset)" if overwrite else ""
+        raise FileExistsError(
+            f"output directory {out} is not empty and is not a prepared dataset or an "
+            f"interrupted prepare (it holds {shown}); choose a new or empty directory{more}"
+        )
+    if entries and overwrite:
+        stage = _sibling(out, "prepare-new")
+        if stage.exists() and (not stage.is_dir() or _foreign_entries(stage)):
+            raise FileExistsError(f"{stage} is in the way of replacing {out}: it is not "
+                                  "densetrain's; move or remove it")
+        return OutputClaim(out.resolve(), stage, stage.exists())
+    if (out / META_FILE).exists():
         raise FileExistsError(
             f"{out} is already a prepared dataset; choose another --output or replace it with "
             "--overwrite (overwrite=True in Python)"
         )
-    if overwrite and out.exists():
-        shutil.rmtree(out)
+    return OutputClaim(out, out, out.exists())
 
 
 def prepare_dataset(
@@ -383,31 +481,39 @@ def prepare_dataset(
     """Prepare ``inputs`` into ``output_dir``; return the metadata, or None if stopped early.
 
     ``max_shards`` > 0 stops after that many commits (rerun to continue). A rerun over an
-    interrupted directory resumes; a complete one raises unless ``overwrite``.
+    interrupted directory resumes; a complete one raises unless ``overwrite``, which builds the
+    new dataset beside it and swaps it in once complete. A run that fails on its input (a
+    ``ValueError``: a malformed line, nothing left after filtering) removes what it wrote, as a
+    rerun would fail the same way; an interrupted one (a signal, a full disk) can be resumed.
     """
     cfg = cfg or PrepareConfig()
     cfg.validate()
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
-    out = Path(output_dir)
-    claim_output_dir(out, overwrite)
-    files = expand_inputs(list(inputs))
-    if (out / ".scaleout").is_dir():  # scaleout_tasks.WORK_DIR
+    files = expand_inputs(list(inputs))  # the inputs are checked before the output is touched
+    claim = claim_output_dir(Path(output_dir), overwrite)
+    out = claim.build
+    if claim.staged and ((out / WORK_DIR).exists() or (out / META_FILE).exists()):
+        claim.reset()  # an unfinished --overwrite of another kind: start it again
+    if (out / WORK_DIR).is_dir():
         raise FileExistsError(
             f"{out} holds an interrupted prepare of several workers; rerun it with the same "
             "--workers (or --distributed), or start again with --overwrite"
         )
-    if out.is_dir() and any(out.iterdir()) and not (out / PROGRESS_FILE).exists():
-        raise FileExistsError(
-            f"output directory {out} is not empty and holds no interrupted prepare; "
-            "choose a new or empty directory"
-        )
     out.mkdir(parents=True, exist_ok=True)
     preparer = _Preparer(files, out, tok, cfg)
+    if claim.staged and preparer.saved_mismatch() is not None:
+        claim.reset()
+        out.mkdir(parents=True)
     preparer.resume_or_start()
-    if not preparer.run(max_shards, progress):
-        return None
-    meta = preparer.metadata()
-    _check_not_empty(list(inputs), preparer.read_stats, meta)
+    try:
+        if not preparer.run(max_shards, progress):
+            return None
+        meta = preparer.metadata()
+        _check_not_empty(list(inputs), preparer.read_stats, meta)
+    except ValueError:  # an error in the input: a rerun would fail the same way
+        claim.discard()
+        raise
     _copy_tokenizer(tok, out / meta["tokenizer"]["file"])
     atomic_write_json(out / META_FILE, meta)
+    claim.finish()
     return meta

@@ -4,8 +4,10 @@ The phases are in `densetrain.data.scaleout_tasks`; this module partitions the i
 phases (as local processes, or as the ranks of a torchrun job, e.g. ``srun torchrun`` on SLURM)
 and merges the results into the same ``progress.json``, ``meta.json`` and shard files the
 single-process path writes, byte for byte, whatever the number of workers. Work in progress
-lives in ``OUTPUT/.scaleout``; a rerun of the same command after a failure resumes from the
-tasks that completed, and the directory is removed once ``meta.json`` is written.
+lives in ``OUTPUT/.scaleout``; a rerun of the same command after a worker died (or an I/O
+error) resumes from the tasks that completed, and the directory is removed once ``meta.json`` is
+written. A failure on the input itself (a malformed line, nothing left after filtering) removes
+the work instead: a rerun would fail the same way.
 """
 
 from __future__ import annotations
@@ -21,17 +23,23 @@ from pathlib import Path
 
 from densetrain.data.prepare import (
     PROGRESS_FILE,
+    WORK_DIR,
+    OutputClaim,
     PrepareConfig,
     _check_not_empty,
     _copy_tokenizer,
     _Preparer,
     claim_output_dir,
 )
-from densetrain.data.scaleout_tasks import WORK_DIR, run_decide, run_scan, run_write, scan_path
+from densetrain.data.scaleout_tasks import run_decide, run_scan, run_write, scan_path
 from densetrain.data.shards import META_FILE, atomic_write_json, dtype_for_vocab
 from densetrain.data.sources import ReadStats, expand_inputs
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer
 from densetrain.errors import UserError
+
+
+class ResumableFailure(UserError):
+    """A worker died or met an I/O error: the completed tasks are kept and a rerun resumes."""
 
 
 def partition_files(files: list[Path], workers: int) -> list[list[Path]]:
@@ -56,18 +64,18 @@ def _describe(part: list[Path]) -> str:
 
 
 def start_work(inputs: list[str], out: Path, tok: Tokenizer, cfg: PrepareConfig, workers: int,
-               overwrite: bool) -> list[list[Path]]:
-    """Check the output directory, write or check the manifest; the files of each worker."""
+               overwrite: bool) -> tuple[OutputClaim, list[list[Path]]]:
+    """Check the inputs and the output directory, write or check the manifest; where the run
+    builds and the files of each worker."""
     cfg.validate()
-    claim_output_dir(out, overwrite)
-    files = expand_inputs(list(inputs))
-    work = out / WORK_DIR
+    files = expand_inputs(list(inputs))  # the inputs are checked before the output is touched
+    claim = claim_output_dir(out, overwrite)
+    out, work = claim.build, claim.build / WORK_DIR
+    if claim.staged and not (work / "manifest.json").is_file() and out.exists():
+        claim.reset()  # an unfinished --overwrite of another kind: start it again
     if (out / PROGRESS_FILE).exists() and not work.is_dir():
         raise FileExistsError(f"{out} holds an interrupted single-process prepare; rerun it "
                               "without --workers, or start again with --overwrite")
-    if out.is_dir() and any(out.iterdir()) and not work.is_dir():
-        raise FileExistsError(f"output directory {out} is not empty and holds no interrupted "
-                              "prepare; choose a new or empty directory")
     manifest = {
         "settings_hash": cfg.settings_hash(),
         "tokenizer_fingerprint": tok.fingerprint,
@@ -78,6 +86,9 @@ def start_work(inputs: list[str], out: Path, tok: Tokenizer, cfg: PrepareConfig,
     if path.is_file():
         saved = json.loads(path.read_text())
         for key, value in manifest.items():
+            if saved.get(key) != value and claim.staged:  # an --overwrite that changed: anew
+                claim.reset()
+                return start_work(inputs, claim.target, tok, cfg, workers, overwrite)
             if saved.get(key) != value:
                 raise UserError(
                     f"{out} holds an interrupted prepare with a different {key} (it had "
@@ -89,7 +100,7 @@ def start_work(inputs: list[str], out: Path, tok: Tokenizer, cfg: PrepareConfig,
     else:
         work.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, manifest)
-    return partition_files(files, workers)
+    return claim, partition_files(files, workers)
 
 
 def merge_work(inputs: list[str], out: Path, tok: Tokenizer, cfg: PrepareConfig,
@@ -153,21 +164,36 @@ def _task_entry(fn: Callable, phase: str, rank: int, work: str, threads: int, ar
 
         message = str(error) if isinstance(error, USER_ERROR_TYPES) else (
             f"internal error {type(error).__name__}: {error}")
-        atomic_write_json(Path(work) / "errors" / f"{phase}-{rank:05d}.json", {"message": message})
+        atomic_write_json(Path(work) / "errors" / f"{phase}-{rank:05d}.json",
+                          {"message": message, "input_error": isinstance(error, ValueError)})
         sys.exit(1)
     pid_file.unlink()
 
 
-def _failure(phase: str, rank: int, who: str, exitcode: int, work: Path) -> str:
+def _failure(phase: str, rank: int, who: str, exitcode: int, work: Path) -> tuple[str, bool]:
+    """What a worker's failure was, and whether it was an error in the input (a ValueError)."""
     error_file = work / "errors" / f"{phase}-{rank:05d}.json"
+    input_error = False
     if error_file.is_file():
-        what = json.loads(error_file.read_text())["message"]
+        saved = json.loads(error_file.read_text())
+        what, input_error = saved["message"], saved.get("input_error", False)
         error_file.unlink()
     elif exitcode < 0:
         what = f"killed by signal {signal.Signals(-exitcode).name}"
     else:
         what = f"exited with status {exitcode}"
-    return f"{who} failed: {what}"
+    return f"{who} failed: {what}", input_error
+
+
+def _raise_failures(failures: list[tuple[str, bool]], work: Path | None) -> None:
+    """`UserError` for an error in the input (a rerun meets it again: the caller removes the
+    work); `ResumableFailure` when workers only died or met I/O errors (a rerun resumes)."""
+    text = "; ".join(message for message, _ in failures)
+    if any(input_error for _, input_error in failures):
+        raise UserError(f"{text}. No {META_FILE} was written and the work in progress was "
+                        "removed (a rerun would meet the same error)")
+    raise ResumableFailure(f"{text}. The completed work is kept in {work} and no {META_FILE} "
+                           "was written: rerun the same command to resume")
 
 
 def run_local_phase(phase: str, tasks: list[tuple[Callable, tuple]], work: Path,
@@ -196,8 +222,7 @@ def run_local_phase(phase: str, tasks: list[tuple[Callable, tuple]], work: Path,
     failures = [_failure(phase, rank, who(rank), p.exitcode, work)
                 for rank, p in enumerate(processes) if p.exitcode != 0]
     if failures:
-        raise UserError("; ".join(failures) + f". The completed work is kept in {work} and no "
-                        f"{META_FILE} was written: rerun the same command to resume")
+        _raise_failures(failures, work)
 
 
 def resolve_workers(workers: int) -> int:
@@ -218,25 +243,35 @@ def prepare_dataset_parallel(
 ) -> dict:
     """`prepare_dataset` on ``workers`` local processes (0: one per core); same output.
 
-    Raises `UserError` naming the worker that failed or died; the completed tasks are kept, so
-    rerunning the same call resumes.
+    Raises `ResumableFailure` naming the worker that died (the completed tasks are kept, so
+    rerunning the same call resumes), or `UserError` for an error in the input (the work in
+    progress is removed: a rerun would meet it again).
     """
     cfg = cfg or PrepareConfig()
     workers = resolve_workers(workers)
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
-    out = Path(output_dir)
-    parts = start_work(inputs, out, tok, cfg, workers, overwrite)
+    claim, parts = start_work(inputs, Path(output_dir), tok, cfg, workers, overwrite)
+    out = claim.build
     work, dtype = out / WORK_DIR, dtype_for_vocab(tok.vocab_size)
     tok_path = tok.path
-    run_local_phase("scan", [(_scan_task, (str(work), r, part, tok_path, cfg))
-                             for r, part in enumerate(parts)], work, parts)
-    run_local_phase("decide", [(run_decide, (work, workers, cfg))], work, parts)
-    run_local_phase("write", [(run_write, (work, out, r, workers, dtype))
-                              for r in range(workers)], work, parts)
-    return merge_work(inputs, out, tok, cfg, parts)
+    try:
+        run_local_phase("scan", [(_scan_task, (str(work), r, part, tok_path, cfg))
+                                 for r, part in enumerate(parts)], work, parts)
+        run_local_phase("decide", [(run_decide, (work, workers, cfg))], work, parts)
+        run_local_phase("write", [(run_write, (work, out, r, workers, dtype))
+                                  for r in range(workers)], work, parts)
+        meta = merge_work(inputs, out, tok, cfg, parts)
+    except ResumableFailure:
+        raise
+    except ValueError:  # an error in the input
+        claim.discard()
+        raise
+    claim.finish()
+    return meta
 
 
-def _agree(phase: str, rank: int, world: int, task: Callable[[], object]) -> object:
+def _agree(phase: str, rank: int, world: int, task: Callable[[], object],
+           work: Path | None = None) -> object:
     """Run ``task`` on this rank, then raise on every rank if any rank's task failed."""
     import torch.distributed as dist
 
@@ -244,14 +279,17 @@ def _agree(phase: str, rank: int, world: int, task: Callable[[], object]) -> obj
     try:
         value = task()
     except Exception as failure:  # noqa: BLE001 - every rank raises it, naming the rank
-        error = str(failure) if isinstance(failure, (ValueError, OSError)) else (
+        message = str(failure) if isinstance(failure, (ValueError, OSError)) else (
             f"internal error {type(failure).__name__}: {failure}")
-    errors: list[str | None] = [None] * world
+        error = (message, isinstance(failure, ValueError))
+    errors: list[tuple[str, bool] | None] = [None] * world
     dist.all_gather_object(errors, error)
-    failed = [f"prepare rank {r} of {world} ({phase} phase) failed: {message}"
-              for r, message in enumerate(errors) if message is not None]
+    failed = [(f"prepare rank {r} of {world} ({phase} phase) failed: {e[0]}", e[1])
+              for r, e in enumerate(errors) if e is not None]
+    if failed and phase == "start":  # nothing was run yet: the message says what to change
+        raise UserError("; ".join(message for message, _ in failed))
     if failed:
-        raise UserError("; ".join(failed) + ": rerun the same command to resume")
+        _raise_failures(failed, work)
     return value
 
 
@@ -269,7 +307,9 @@ def prepare_dataset_distributed(
     ``output_dir`` must be on a file system every rank sees. Uses the initialised process group,
     or starts a gloo one from torchrun's environment (with ``timeout_hours`` for the serial
     decide phase). Returns the metadata on rank 0 and None on the others. A rank that dies is
-    reported by torchrun, naming it; rerunning resumes from the completed tasks.
+    reported by torchrun, naming it; rerunning resumes from the completed tasks. An error in the
+    input, on any rank, removes the work in progress (rank 0 does), as in
+    `prepare_dataset_parallel`.
     """
     from datetime import timedelta
 
@@ -286,20 +326,38 @@ def prepare_dataset_distributed(
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         tok = load_tokenizer(tokenizer)
-        out = Path(output_dir)
+        started = _agree("start", rank, world, lambda: rank == 0 and start_work(
+            inputs, Path(output_dir), tok, cfg, world, overwrite))
+        claim = started[0] if rank == 0 else None
+        where = [claim.build if rank == 0 else None]
+        dist.broadcast_object_list(where, src=0)  # an --overwrite builds beside the old dataset
+        out = Path(where[0])
         work, dtype = out / WORK_DIR, dtype_for_vocab(tok.vocab_size)
-        _agree("start", rank, world, lambda: rank == 0 and start_work(
-            inputs, out, tok, cfg, world, overwrite))
         parts = partition_files(expand_inputs(list(inputs)), world)
-        _agree("scan", rank, world, lambda: run_scan(work, rank, parts[rank], tok, cfg))
-        _agree("decide", rank, world, lambda: rank == 0 and run_decide(work, world, cfg))
-        _agree("write", rank, world, lambda: run_write(work, out, rank, world, dtype))
-        meta = _agree("merge", rank, world,
-                      lambda: merge_work(inputs, out, tok, cfg, parts) if rank == 0 else None)
+        try:
+            _agree("scan", rank, world, lambda: run_scan(work, rank, parts[rank], tok, cfg), work)
+            _agree("decide", rank, world, lambda: rank == 0 and run_decide(work, world, cfg),
+                   work)
+            _agree("write", rank, world, lambda: run_write(work, out, rank, world, dtype), work)
+            meta = _agree("merge", rank, world, lambda: (
+                _merge_and_finish(inputs, claim, tok, cfg, parts) if rank == 0 else None), work)
+        except ResumableFailure:
+            raise
+        except ValueError:  # an error in the input, on some rank: every rank raises it
+            if claim is not None:
+                claim.discard()
+            raise
         return meta if rank == 0 else None
     finally:
         if owns_group:
             dist.destroy_process_group()
+
+
+def _merge_and_finish(inputs: list[str], claim: OutputClaim, tok: Tokenizer, cfg: PrepareConfig,
+                      parts: list[list[Path]]) -> dict:
+    meta = merge_work(inputs, claim.build, tok, cfg, parts)
+    claim.finish()
+    return meta
 
 
 def _scan_task(work: str, rank: int, files: list[Path], tokenizer_path: str,

@@ -27,7 +27,11 @@ import numpy as np
 
 from densetrain.data.dedup import ExactDeduplicator, MinHashDeduplicator, normalized_hash
 from densetrain.data.filters import quality_reason
-from densetrain.data.prepare import PrepareConfig, is_validation_document
+from densetrain.data.prepare import (
+    WORK_DIR,  # noqa: F401 - where these phases work
+    PrepareConfig,
+    is_validation_document,
+)
 from densetrain.data.shards import (
     atomic_write_bytes,
     atomic_write_json,
@@ -38,7 +42,6 @@ from densetrain.data.shards import (
 from densetrain.data.sources import ReadStats, describe_sources, iter_documents
 from densetrain.data.tokenizer import Tokenizer
 
-WORK_DIR = ".scaleout"
 KEPT, EMPTY = 0, 1  # document status codes of a scan; quality reason i is 2 + i
 TRAIN, VAL, REMOVED = 0, 1, 2  # document fate codes of the decision
 
