@@ -365,6 +365,14 @@ def _check_not_empty(inputs: list[str], read: ReadStats, meta: dict) -> None:
             f"no document of {inputs} survived filtering{detail}: removed {removed} (an input "
             "of empty documents, or filters that reject all of it)"
         )
+    if meta["splits"]["train"]["num_documents"] == 0:
+        fraction = meta["settings"]["val_fraction"]
+        kept = meta["splits"]["val"]["num_documents"]
+        raise UserError(
+            f"--val-fraction {fraction} (val_fraction in Python) put all {kept:,} kept "
+            f"document{'' if kept == 1 else 's'} of {inputs} in the validation split and none "
+            "in train; give a smaller --val-fraction or more documents"
+        )
 
 
 WORK_DIR = ".scaleout"  # the work in progress of a prepare over several workers (scaleout)
@@ -488,6 +496,8 @@ def prepare_dataset(
     """
     cfg = cfg or PrepareConfig()
     cfg.validate()
+    if max_shards < 0:
+        raise UserError(f"max_shards must be >= 0 (0: no limit), got {max_shards}")
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     files = expand_inputs(list(inputs))  # the inputs are checked before the output is touched
     claim = claim_output_dir(Path(output_dir), overwrite)

@@ -220,3 +220,14 @@ def test_malformed_line_on_a_rank_removes_the_work(tmp_path, tokenizer_path):
     for message in messages:
         assert "b.jsonl:1" in message and "resume" not in message, message
     assert not out.exists()
+
+
+# --- 12. edge values --------------------------------------------------------------------------
+
+
+def test_val_fraction_that_leaves_train_empty_is_refused(tmp_path, raw, tokenizer_path,
+                                                         capsys):
+    out = tmp_path / "o"
+    code, err = _prepare(capsys, [raw], out, tokenizer_path, "--val-fraction", "0.999")
+    assert code == 2 and "--val-fraction 0.999" in err and "all 40 kept documents" in err, err
+    assert "none in train" in err and not out.exists()
