@@ -4,10 +4,39 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
 from densetrain.errors import UserError
+
+# The fields of PrepareConfig / MinHashConfig that `data prepare` sets, as its flags, so that a
+# refused value is reported by the name the user typed.
+_PREPARE_FLAGS = {
+    "val_fraction": "--val-fraction", "shard_tokens": "--shard-tokens",
+    "on_bad_line": "--on-bad-line", "text_field": "--text-field",
+    "shingle_size": "--shingle-size", "num_perm": "--num-perm", "bands": "--bands",
+    "threshold": "--threshold",
+}
+_FIELD_PATTERN = re.compile(r"\b(?:minhash )?(" + "|".join(_PREPARE_FLAGS) + r")\b")
+
+
+def _as_flags(message: str) -> str:
+    """``message`` with every field name of ``_PREPARE_FLAGS`` written as its flag."""
+    return _FIELD_PATTERN.sub(lambda m: _PREPARE_FLAGS[m.group(1)], message)
+
+
+def _text_separator(value: str) -> str:
+    """``--text-separator`` with its backslash escapes (``\\n\\n``) decoded; any other character,
+    non-ASCII included, stands for itself."""
+    try:
+        return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as error:
+        raise UserError(
+            f"--text-separator '{value}': {error.reason}; "
+            "write the separator as plain text or with the escapes \\n, \\t, \\r, \\\\, "
+            "\\xHH, \\uHHHH or \\N{name} (e.g. '\\n\\n')"
+        ) from None
 
 
 def _train_tokenizer(args: argparse.Namespace) -> int:
@@ -26,7 +55,7 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
         files,
         text_field=args.text_field,
         on_bad_line=args.on_bad_line,
-        text_separator=args.text_separator.encode().decode("unicode_escape"),
+        text_separator=_text_separator(args.text_separator),
         stats=stats,
     )
     special = tuple(t.strip() for t in args.special_tokens.split(","))
@@ -35,14 +64,20 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
             f"--special-tokens {args.special_tokens!r}: give three comma-separated names, "
             "BOS,EOS,PAD (e.g. '<|bos|>,<|eos|>,<|pad|>')"
         )
-    tokenizer = train_tokenizer(
-        documents,
-        args.output,
-        vocab_size=args.vocab_size,
-        special_tokens=special,
-        min_frequency=args.min_frequency,
-        show_progress=sys.stderr.isatty(),  # a bar on a terminal, not blank lines in a log
-    )
+    try:
+        tokenizer = train_tokenizer(
+            documents,
+            args.output,
+            vocab_size=args.vocab_size,
+            special_tokens=special,
+            min_frequency=args.min_frequency,
+            show_progress=sys.stderr.isatty(),  # a bar on a terminal, not blank lines in a log
+        )
+    except UserError as error:  # e.g. an empty corpus: say what reading skipped (binary files)
+        note = stats.skipped_note()
+        if not note or note.strip() in str(error):
+            raise
+        raise UserError(f"{error}{note}") from error
     print(f"wrote {tokenizer.path}: byte-level BPE, {tokenizer.vocab_size:,} tokens "
           f"(fingerprint {tokenizer.fingerprint[:12]}) from {stats.documents:,} document"
           f"{'' if stats.documents == 1 else 's'}")
@@ -71,7 +106,7 @@ def _prepare(args: argparse.Namespace) -> int:
     cfg = PrepareConfig(
         text_field=args.text_field,
         on_bad_line=args.on_bad_line,
-        text_separator=args.text_separator.encode().decode("unicode_escape"),
+        text_separator=_text_separator(args.text_separator),
         val_fraction=args.val_fraction,
         shard_tokens=args.shard_tokens,
         exact_dedup=args.exact_dedup,
@@ -84,6 +119,13 @@ def _prepare(args: argparse.Namespace) -> int:
         ),
         quality_filter=args.quality_filter,
     )
+    try:
+        cfg.validate()
+    except ValueError as error:
+        raise UserError(_as_flags(str(error))) from None
+    if args.max_shards is not None and args.max_shards < 1:
+        raise UserError(f"--max-shards must be >= 1 (stop after that many shards; leave it out "
+                        f"to prepare everything), got {args.max_shards}")
     meta = _run_prepare(args, cfg, prepare_dataset)
     if meta is None and args.distributed:
         return 0  # a rank other than 0 of a torchrun job: rank 0 prints the summary
@@ -147,7 +189,7 @@ def _run_prepare(args: argparse.Namespace, cfg, prepare_dataset) -> dict | None:
         return prepare_dataset_distributed(args.inputs, args.output, **common)
     if args.workers != 1:
         return prepare_dataset_parallel(args.inputs, args.output, workers=args.workers, **common)
-    return prepare_dataset(args.inputs, args.output, max_shards=args.max_shards,
+    return prepare_dataset(args.inputs, args.output, max_shards=args.max_shards or 0,
                            progress=sys.stderr.isatty(), **common)  # no bar lines in a log
 
 
@@ -200,10 +242,13 @@ def _register_prepare(data_sub: argparse._SubParsersAction) -> None:
     prep.add_argument("--bands", type=int, default=16, help="LSH bands (divides --num-perm)")
     prep.add_argument("--threshold", type=float, default=0.8, help="near-duplicate Jaccard")
     prep.add_argument("--quality-filter", action="store_true", help="Gopher quality heuristics")
-    prep.add_argument("--overwrite", action="store_true", help="replace a complete dataset")
+    prep.add_argument("--overwrite", action="store_true",
+                      help="replace the prepared dataset at --output (only a densetrain "
+                      "dataset; the old one stays until the new one is complete)")
     prep.add_argument("--json", action="store_true",
                       help="print the splits and counts as JSON instead of the summary")
-    prep.add_argument("--max-shards", type=int, default=0, help="stop after N shards (resumable)")
+    prep.add_argument("--max-shards", type=int, default=None,
+                      help="stop after N >= 1 shards (rerun to continue)")
     prep.add_argument(
         "--workers",
         type=int,

@@ -4,6 +4,7 @@ messages that name the command line's flags."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -225,9 +226,69 @@ def test_malformed_line_on_a_rank_removes_the_work(tmp_path, tokenizer_path):
 # --- 12. edge values --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("value", ["-1", "0"])
+def test_max_shards_below_one_is_refused(value, tmp_path, raw, tokenizer_path, capsys):
+    code, err = _prepare(capsys, [raw], tmp_path / "o", tokenizer_path, "--max-shards", value)
+    assert code == 2 and "--max-shards must be >= 1" in err and value in err, err
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(UserError, match="max_shards must be >= 0"):
+        prepare_dataset([str(raw)], tmp_path / "o", tokenizer=tokenizer_path, max_shards=-1)
+
+
 def test_val_fraction_that_leaves_train_empty_is_refused(tmp_path, raw, tokenizer_path,
                                                          capsys):
     out = tmp_path / "o"
     code, err = _prepare(capsys, [raw], out, tokenizer_path, "--val-fraction", "0.999")
     assert code == 2 and "--val-fraction 0.999" in err and "all 40 kept documents" in err, err
     assert "none in train" in err and not out.exists()
+
+
+# --- 13. messages name the flags ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--val-fraction", "1.0"], "--val-fraction must be in [0, 1)"),
+    (["--shard-tokens", "0"], "--shard-tokens must be >= 1"),
+    (["--bands", "0"], "--num-perm (128) must be a positive multiple of --bands (0)"),
+    (["--num-perm", "100"], "--num-perm (100) must be a positive multiple of --bands (16)"),
+    (["--shingle-size", "0"], "--shingle-size must be >= 1"),
+    (["--threshold", "1.5"], "--threshold must be in (0, 1]"),
+])
+def test_bad_values_are_named_by_their_flag(extra, expected, tmp_path, raw, tokenizer_path,
+                                           capsys):
+    code, err = _prepare(capsys, [raw], tmp_path / "o", tokenizer_path, *extra)
+    assert code == 2 and expected in err, err
+    assert "_" not in err.split("error:", 1)[1].replace(str(tmp_path), ""), err
+
+
+@pytest.mark.parametrize("command", ["prepare", "train-tokenizer"])
+def test_bad_text_separator_escape_names_the_flag(command, tmp_path, raw, tokenizer_path,
+                                                  capsys):
+    tail = (["--tokenizer", str(tokenizer_path)] if command == "prepare"
+            else ["--vocab-size", "300"])
+    code = main(["data", command, str(raw), "-o", str(tmp_path / "o"), "--text-separator",
+                 "\\x", *tail])
+    err = capsys.readouterr().err
+    assert code == 2 and "--text-separator '\\x'" in err and "\\xHH" in err, err
+    assert "codec" not in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_non_ascii_text_separator_splits_documents(tmp_path, tokenizer_path, capsys):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "a.txt").write_text("first part§second part§third part")
+    code, err = _prepare(capsys, [tmp_path / "t"], tmp_path / "o", tokenizer_path,
+                         "--text-separator", "§")
+    assert code == 0, err
+    assert load_metadata(tmp_path / "o")["counts"]["read"]["documents"] == 3
+
+
+# --- train-tokenizer: an empty corpus says what reading skipped ---------------------------------
+
+
+def test_tokenizer_on_binary_files_says_what_was_skipped(tmp_path, binary, capsys):
+    code = main(["data", "train-tokenizer", str(binary), "-o", str(tmp_path / "t.json"),
+                 "--vocab-size", "300"])
+    err = capsys.readouterr().err
+    assert code == 2 and "empty" in err and "1 binary files skipped" in err, err
+    assert not os.path.exists(tmp_path / "t.json")
