@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from densetrain.data.config import DataConfig
-from densetrain.data.shards import load_metadata
+from densetrain.data.shards import load_dataset_tokenizer, load_metadata
 from densetrain.errors import UserError
 
 
@@ -32,9 +32,10 @@ def data_vocabulary(cfg: DataConfig) -> DataVocabulary:
     for path in cfg.datasets:
         root = Path(path)
         if not root.is_dir():
+            what = "is a file, not a directory" if root.exists() else "does not exist"
             raise FileNotFoundError(
-                f"data.datasets: {path!r} does not exist or is not a directory; give directories "
-                "written by `densetrain data prepare`"
+                f"data.datasets: {path!r} {what}; give directories written by "
+                "`densetrain data prepare`"
             )
         metas.append((root, load_metadata(root)))
     max_id = max(
@@ -49,6 +50,7 @@ def data_vocabulary(cfg: DataConfig) -> DataVocabulary:
                               source=f"data.tokenizer {cfg.tokenizer}")
     if metas:
         root, meta = max(metas, key=lambda rm: rm[1]["tokenizer"]["vocab_size"])
+        load_dataset_tokenizer(root, meta)  # its meta.json's vocab_size is the tokenizer's
         return DataVocabulary(vocab_size=int(meta["tokenizer"]["vocab_size"]), max_token_id=max_id,
                               source=f"the tokenizer of dataset {root}")
     return DataVocabulary(vocab_size=cfg.default_vocab_size, max_token_id=-1,

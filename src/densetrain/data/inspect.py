@@ -7,8 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from densetrain.data.shards import TokenStore, load_metadata
-from densetrain.data.tokenizer import load_tokenizer
+from densetrain.data.shards import TokenStore, load_dataset_tokenizer, load_metadata
 
 
 def inspect_dataset(
@@ -23,7 +22,7 @@ def inspect_dataset(
     if split not in meta["splits"]:
         raise ValueError(f"split {split!r} not in {root}; splits: {sorted(meta['splits'])}")
     store = TokenStore(root, split, meta)
-    tokenizer = load_tokenizer(root / meta["tokenizer"]["file"])
+    tokenizer = load_dataset_tokenizer(root, meta)
     lengths = np.diff(np.r_[store.doc_starts, store.num_tokens]) if store.num_documents else []
     counts = np.zeros(tokenizer.vocab_size, dtype=np.int64)
     for start in range(0, store.num_tokens, 1 << 22):  # bounded memory over large splits

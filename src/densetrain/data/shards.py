@@ -17,7 +17,8 @@ Integrity: each shard's entry in ``meta.json`` records the SHA-256 of its token 
 Opening a split (`TokenStore`) checks the cheap ones — every token file's size and first 64 KiB
 and every document index — so a truncated, swapped or foreign shard (e.g. one tokenized by
 another tokenizer of the same vocabulary size) is refused before training reads it;
-`verify_dataset` (``densetrain data verify``) hashes every byte.
+`verify_dataset` (``densetrain data verify``) hashes every byte. ``meta.json`` itself is checked
+field by field on load (`check_metadata`).
 """
 
 from __future__ import annotations
@@ -105,8 +106,14 @@ def write_shard(
 
 
 def load_metadata(root: str | os.PathLike) -> dict:
-    """The ``meta.json`` of a complete prepared dataset; clear errors when missing/incomplete."""
+    """The ``meta.json`` of a complete prepared dataset, its fields and types checked once
+    (`check_metadata`); clear errors when missing, incomplete or damaged."""
     root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(
+            f"{root} is a file, not a directory; give a prepared dataset directory (one written "
+            "by `densetrain data prepare`)"
+        )
     if not root.is_dir():
         raise FileNotFoundError(f"prepared dataset directory {root} does not exist")
     meta_path = root / META_FILE
@@ -132,7 +139,139 @@ def load_metadata(root: str | os.PathLike) -> dict:
     elif found != FORMAT:
         raise UserError(f"{meta_path}: format {found!r}, expected {FORMAT!r} (a dataset written "
                         "by `densetrain data prepare`)")
+    check_metadata(meta, meta_path)
     return meta
+
+
+TOKEN_DTYPES = ("uint16", "uint32")
+_MISSING = object()
+_JSON_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+               int: "an integer", float: "a number"}
+
+
+def _shown(value: object) -> str:
+    if value is None:
+        return "null"
+    text = json.dumps(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{text} ({_JSON_KINDS.get(type(value), type(value).__name__)})"
+
+
+def _meta_error(meta_path: Path, where: str, value: object, expected: str) -> DamagedFileError:
+    held = "is missing" if value is _MISSING else f"holds {_shown(value)}"
+    return DamagedFileError(
+        f"{meta_path}: {where} {held}, expected {expected}; the dataset's metadata is damaged "
+        "or was edited: restore it or prepare the dataset again"
+    )
+
+
+def _is_count(value: object, minimum: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _is_inner_path(value: object) -> bool:
+    """A relative path that stays inside the dataset directory."""
+    return (isinstance(value, str) and bool(value) and not Path(value).is_absolute()
+            and ".." not in Path(value).parts)
+
+
+def _is_sha256(value: object) -> bool:
+    return (isinstance(value, str) and len(value) == 64
+            and all(c in "0123456789abcdef" for c in value))
+
+
+_PATH = "a relative path inside the dataset directory"
+_COUNT = "an integer >= 0"
+_HASH = "a SHA-256 (64 hex digits)"
+
+
+def check_metadata(meta: object, meta_path: Path) -> None:
+    """`DamagedFileError` naming ``meta_path``, the key, what it holds and what was expected
+    when a field the readers use is missing or of the wrong type, or two fields disagree."""
+
+    def field(obj: dict, key: str, where: str, ok, expected: str):
+        value = obj.get(key, _MISSING)
+        if value is _MISSING or not ok(value):
+            raise _meta_error(meta_path, where, value, expected)
+        return value
+
+    def is_object(value: object) -> bool:
+        return isinstance(value, dict)
+
+    if not isinstance(meta, dict):
+        raise _meta_error(meta_path, "the top level", meta, "an object")
+    with_checksums = meta.get("format") == FORMAT
+    dtype = field(meta, "dtype", "dtype", lambda v: v in TOKEN_DTYPES,
+                  " or ".join(repr(d) for d in TOKEN_DTYPES))
+    id_limit = int(np.iinfo(np.dtype(dtype)).max) + 1
+    tokenizer = field(meta, "tokenizer", "tokenizer", is_object, "an object")
+    field(tokenizer, "file", "tokenizer.file", _is_inner_path, _PATH)
+    field(tokenizer, "fingerprint", "tokenizer.fingerprint", lambda v: isinstance(v, str) and v,
+          "a non-empty string")
+    vocab_size = field(tokenizer, "vocab_size", "tokenizer.vocab_size",
+                       lambda v: _is_count(v, 1) and v <= id_limit,
+                       f"an integer in [1, {id_limit}] ({dtype} ids)")
+    field(tokenizer, "eos_id", "tokenizer.eos_id", lambda v: _is_count(v) and v < vocab_size,
+          f"an integer in [0, {vocab_size}) (below tokenizer.vocab_size)")
+    counts = field(meta, "counts", "counts", is_object, "an object")
+    for key in ("read", "removed"):
+        field(counts, key, f"counts.{key}", is_object, "an object")
+    splits = field(meta, "splits", "splits", is_object, 'an object of splits ("train", "val")')
+    for name, split in splits.items():
+        where = f"splits.{name}"
+        if not isinstance(split, dict):
+            raise _meta_error(meta_path, where, split, "an object with shards, num_tokens and "
+                              "num_documents")
+        shards = field(split, "shards", f"{where}.shards", lambda v: isinstance(v, list),
+                       "an array of shard entries")
+        totals = {"num_tokens": 0, "num_documents": 0}
+        for i, entry in enumerate(shards):
+            at = f"{where}.shards[{i}]"
+            if not isinstance(entry, dict):
+                raise _meta_error(meta_path, at, entry, "an object describing one shard")
+            for key in ("file", "docs"):
+                field(entry, key, f"{at}.{key}", _is_inner_path, _PATH)
+            for key in totals:
+                totals[key] += field(entry, key, f"{at}.{key}", _is_count, _COUNT)
+            max_id = field(entry, "max_token_id", f"{at}.max_token_id", lambda v: _is_count(v, -1),
+                           "an integer >= -1 (-1: an empty shard)")
+            if max_id >= vocab_size:
+                raise DamagedFileError(
+                    f"{meta_path}: tokenizer.vocab_size is {vocab_size} but {at}.max_token_id "
+                    f"is {max_id} (shard {entry['file']} holds ids up to {max_id}): the two "
+                    "disagree; the dataset's metadata is damaged or was edited: restore it or "
+                    "prepare the dataset again"
+                )
+            if with_checksums:
+                for key in ("sha256", "head_sha256", "docs_sha256"):
+                    field(entry, key, f"{at}.{key}", _is_sha256, _HASH)
+        for key, total in totals.items():
+            field(split, key, f"{where}.{key}", lambda v, t=total: _is_count(v) and v == t,
+                  f"{total} (the sum of its shards' {key})")
+
+
+def load_dataset_tokenizer(root: str | os.PathLike, meta: dict):
+    """The tokenizer copy stored in dataset ``root``; `DamagedFileError` when it is not the one
+    ``meta`` (its ``meta.json``) records (other fingerprint or vocabulary size)."""
+    from densetrain.data.tokenizer import load_tokenizer
+
+    root = Path(root)
+    recorded = meta["tokenizer"]
+    tokenizer = load_tokenizer(root / recorded["file"])
+    if tokenizer.fingerprint != recorded["fingerprint"]:
+        raise DamagedFileError(
+            f"tokenizer {tokenizer.path} is not the one the shards were tokenized with "
+            f"(fingerprint {tokenizer.fingerprint[:12]}, {root / META_FILE} says "
+            f"{recorded['fingerprint'][:12]}); restore it or prepare the dataset again"
+        )
+    if tokenizer.vocab_size != recorded["vocab_size"]:
+        raise DamagedFileError(
+            f"{root / META_FILE}: tokenizer.vocab_size is {recorded['vocab_size']} but the "
+            f"dataset's tokenizer {tokenizer.path} has {tokenizer.vocab_size} ids: the metadata "
+            "disagrees with its own tokenizer; it is damaged or was edited: restore it or "
+            "prepare the dataset again"
+        )
+    return tokenizer
 
 
 def _check_shard_cheaply(root: Path, entry: dict, itemsize: int) -> np.ndarray:
@@ -176,16 +315,10 @@ def _file_sha256(path: Path) -> str:
 
 def _tokenizer_problems(root: Path, meta: dict) -> list[str]:
     """The dataset's tokenizer copy must be the one its shards were tokenized with."""
-    from densetrain.data.tokenizer import load_tokenizer
-
-    path = root / meta["tokenizer"]["file"]
     try:
-        found = load_tokenizer(path).fingerprint
+        load_dataset_tokenizer(root, meta)
     except (OSError, ValueError) as error:
         return [str(error)]
-    if found != meta["tokenizer"]["fingerprint"]:
-        return [f"tokenizer {path} is not the one the shards were tokenized with (fingerprint "
-                f"{found[:12]}, {META_FILE} says {meta['tokenizer']['fingerprint'][:12]})"]
     return []
 
 
@@ -235,15 +368,9 @@ class TokenStore:
         self.split = split
         self.dtype = np.dtype(self.meta["dtype"])
         shards = self.meta["splits"].get(split, {}).get("shards", [])
-        limit = np.iinfo(self.dtype).max
         self._arrays: list[np.ndarray] = []
         doc_lengths: list[np.ndarray] = []
-        for entry in shards:
-            if entry["max_token_id"] > limit:
-                raise DamagedFileError(
-                    f"{self.root / entry['file']}: token id {entry['max_token_id']} exceeds "
-                    f"{self.dtype} (max {limit})"
-                )
+        for entry in shards:  # max_token_id < the dtype's range: check_metadata
             doc_lengths.append(_check_shard_cheaply(self.root, entry, self.dtype.itemsize))
             path = self.root / entry["file"]
             self._arrays.append(
