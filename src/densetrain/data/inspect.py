@@ -25,9 +25,18 @@ def inspect_dataset(
     tokenizer = load_dataset_tokenizer(root, meta)
     lengths = np.diff(np.r_[store.doc_starts, store.num_tokens]) if store.num_documents else []
     counts = np.zeros(tokenizer.vocab_size, dtype=np.int64)
+    outside, first_outside = 0, (0, 0)
     for start in range(0, store.num_tokens, 1 << 22):  # bounded memory over large splits
         chunk = store.read(start, min(1 << 22, store.num_tokens - start))
-        counts += np.bincount(chunk, minlength=tokenizer.vocab_size)[: tokenizer.vocab_size]
+        bad = chunk >= tokenizer.vocab_size  # damaged shard bytes: counted, named below
+        if bad.any():
+            index = int(np.argmax(bad))
+            outside, first_outside = outside + int(bad.sum()), (
+                first_outside if outside else (start + index, int(chunk[index])))
+            chunk = chunk[~bad]
+        counts += np.bincount(chunk, minlength=tokenizer.vocab_size)
+    if outside:
+        raise store.bad_id_error(*first_outside, count=outside)
     top = np.argsort(-counts)[:top_k]
     sample = store.read(0, min(sample_tokens, store.num_tokens)) if store.num_tokens else []
     return {

@@ -18,7 +18,9 @@ Opening a split (`TokenStore`) checks the cheap ones — every token file's size
 and every document index — so a truncated, swapped or foreign shard (e.g. one tokenized by
 another tokenizer of the same vocabulary size) is refused before training reads it;
 `verify_dataset` (``densetrain data verify``) hashes every byte. ``meta.json`` itself is checked
-field by field on load (`check_metadata`).
+field by field on load (`check_metadata`), and every batch's token ids against the tokenizer's
+vocabulary (`TokenStore.check_ids`), so a flipped byte past the first 64 KiB is named (shard,
+offset) instead of indexing past the embedding.
 """
 
 from __future__ import annotations
@@ -367,10 +369,13 @@ class TokenStore:
         self.meta = meta if meta is not None else load_metadata(root)
         self.split = split
         self.dtype = np.dtype(self.meta["dtype"])
+        self.vocab_size = int(self.meta["tokenizer"]["vocab_size"])
+        """Ids of the dataset's tokenizer; every stored id is below it (`check_ids`)."""
         shards = self.meta["splits"].get(split, {}).get("shards", [])
+        self._files = [self.root / entry["file"] for entry in shards]
         self._arrays: list[np.ndarray] = []
         doc_lengths: list[np.ndarray] = []
-        for entry in shards:  # max_token_id < the dtype's range: check_metadata
+        for entry in shards:  # max_token_id < vocab_size <= the dtype's range: check_metadata
             doc_lengths.append(_check_shard_cheaply(self.root, entry, self.dtype.itemsize))
             path = self.root / entry["file"]
             self._arrays.append(
@@ -398,6 +403,31 @@ class TokenStore:
             filled += take
             shard += 1
         return out
+
+    def locate(self, position: int) -> tuple[Path, int]:
+        """The shard file holding token ``position`` of the stream, and its token offset there."""
+        shard = int(np.searchsorted(self._shard_starts, position, side="right")) - 1
+        return self._files[shard], position - int(self._shard_starts[shard])
+
+    def bad_id_error(self, position: int, token_id: int, *, count: int = 1) -> DamagedFileError:
+        """The error for token id ``token_id`` (>= ``vocab_size``) found at stream ``position``;
+        ``count`` ids out of range were found in all."""
+        path, offset = self.locate(position)
+        more = f" ({count} such ids in the {self.split} split)" if count > 1 else ""
+        return DamagedFileError(
+            f"shard {path}: token id {token_id} at token offset {offset} (byte "
+            f"{offset * self.dtype.itemsize}) is outside the tokenizer's vocabulary of "
+            f"{self.vocab_size} ids{more}; the file was changed after it was prepared: "
+            f"`densetrain data verify {self.root}` checks every byte; restore the file or prepare "
+            "the dataset again"
+        )
+
+    def check_ids(self, start: int, tokens: np.ndarray) -> None:
+        """`DamagedFileError` (`bad_id_error`) when ``tokens``, read from stream position
+        ``start``, hold an id >= ``vocab_size`` (ids are unsigned: none is negative)."""
+        if len(tokens) and int(tokens.max()) >= self.vocab_size:
+            index = int(np.argmax(tokens >= self.vocab_size))
+            raise self.bad_id_error(start + index, int(tokens[index]))
 
     def document_ids(self, start: int, length: int) -> np.ndarray:
         """Global document index of each token in ``[start, start + length)``."""

@@ -80,6 +80,7 @@ class BatchStream:
                     f"seq_len {seq_len} is longer than dataset {name} ({store.split} split has "
                     f"{store.num_tokens} tokens; a sample needs seq_len + 1)"
                 )
+        self._vocab_sizes = np.array([s.vocab_size for s in stores], dtype=np.int64)
         self.order = MixtureOrder(self.weights, seed)
         self.consumed_sequences = 0
         self.skip_ranges: list[tuple[int, int]] = []
@@ -151,6 +152,12 @@ class BatchStream:
             if doc_ids is not None:
                 ids = self.stores[source].document_ids(offset, S)
                 doc_ids[row], positions[row] = _segment_info(ids)
+        # A flipped byte past the part of a shard checked on open would otherwise index past
+        # the embedding; one max per row is cheap next to the reads (under 1% of batch_at).
+        limits = self._vocab_sizes[[source for source, _ in rows]]
+        for row in np.flatnonzero(tokens.max(axis=1) >= limits).tolist()[:1]:
+            source, offset = rows[row]
+            self.stores[source].check_ids(offset, tokens[row])
         data = torch.from_numpy(tokens)
         return Batch(
             inputs=data[:, :-1].contiguous(),

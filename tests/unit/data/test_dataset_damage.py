@@ -1,5 +1,6 @@
-"""Damaged or edited prepared datasets: a ``meta.json`` with missing or mistyped fields, and a
-file given as a dataset directory."""
+"""Damaged or edited prepared datasets: token ids outside the vocabulary (flipped bytes past the
+part of a shard checked on open), a ``meta.json`` with missing or mistyped fields, and a file
+given as a dataset directory."""
 
 from __future__ import annotations
 
@@ -7,20 +8,84 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
+from data_helpers import synthetic_documents, write_text_files
 
 from densetrain.cli.main import main
-from densetrain.data import DataConfig, build_data
+from densetrain.data import DataConfig, PrepareConfig, TokenStore, build_data, prepare_dataset
 from densetrain.data.checks import data_vocabulary
 from densetrain.data.inspect import inspect_dataset
-from densetrain.data.shards import load_metadata, verify_dataset
+from densetrain.data.shards import HEAD_BYTES, load_metadata, verify_dataset
+from densetrain.data.stream import BatchStream
 from densetrain.errors import DamagedFileError
+from densetrain.testing import TINY_OVERRIDES
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory, tokenizer_path) -> Path:
+    """A dataset whose first train shard is well past the 64 KiB checked on open."""
+    root = tmp_path_factory.mktemp("big")
+    write_text_files(root / "raw", synthetic_documents(800, seed=3))
+    cfg = PrepareConfig(val_fraction=0.05, shard_tokens=1 << 20, batch_bytes=1 << 20)
+    prepare_dataset([str(root / "raw")], root / "ds", tokenizer=tokenizer_path, cfg=cfg)
+    return root / "ds"
 
 
 @pytest.fixture()
 def dataset(prepared, tmp_path) -> Path:
     """A private copy of the shared small dataset (the tests damage it)."""
     return Path(shutil.copytree(prepared, tmp_path / "ds"))
+
+
+def _flip(root: Path, positions) -> Path:
+    """Flip the top bit of the uint16 tokens at ``positions`` of the first train shard."""
+    shard = root / load_metadata(root)["splits"]["train"]["shards"][0]["file"]
+    tokens = np.memmap(shard, dtype=np.uint16, mode="r+")
+    assert len(tokens) * 2 > HEAD_BYTES + 20_000
+    tokens[positions] ^= 0x8000
+    tokens.flush()
+    del tokens
+    return shard
+
+
+def test_flipped_id_past_the_head_is_refused_where_the_batch_is_built(big, tmp_path):
+    root = Path(shutil.copytree(big, tmp_path / "flip"))
+    position = HEAD_BYTES // 2 + 7_000  # a token past the bytes the open-time check hashes
+    _flip(root, [position])
+    store = TokenStore(root, "train")  # opens: size and first 64 KiB still match
+    stream = BatchStream([store], [1.0], seq_len=64, seed=0)
+    with pytest.raises(DamagedFileError) as caught:
+        stream.batch_at(0, stream.num_sequences[0])  # every sequence of the epoch
+    message = str(caught.value)
+    assert "train/00000.bin" in message and f"token offset {position} " in message
+    assert f"vocabulary of {store.vocab_size} ids" in message
+    assert f"densetrain data verify {root}" in message
+
+
+def test_train_on_flipped_bytes_names_the_shard_not_an_index_error(big, tmp_path, capsys):
+    root = Path(shutil.copytree(big, tmp_path / "flip"))
+    _flip(root, slice(HEAD_BYTES // 2, None, 10))
+    code = main(["train", *TINY_OVERRIDES, f'--data.datasets=["{root}"]', "--training.steps=2",
+                 "--eval.interval=0", "--eval.sample_tokens=0", "--checkpoint.enabled=false",
+                 "--schedule.warmup_steps=0",
+                 f"--logging.run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "internal error" not in err and "IndexError" not in err
+    assert "00000.bin" in err and "token offset" in err and "densetrain data verify" in err
+
+
+def test_inspect_reports_ids_outside_the_vocabulary(big, tmp_path, capsys):
+    root = Path(shutil.copytree(big, tmp_path / "flip"))
+    positions = np.arange(HEAD_BYTES // 2 + 100, HEAD_BYTES // 2 + 1100, 10)
+    _flip(root, positions)
+    with pytest.raises(DamagedFileError) as caught:
+        inspect_dataset(root)
+    message = str(caught.value)
+    assert f"token offset {positions[0]} " in message and "(100 such ids" in message
+    assert main(["data", "inspect", str(root)]) == 2
+    assert "densetrain data verify" in capsys.readouterr().err
 
 
 def _edit(root: Path, change) -> None:
