@@ -19,6 +19,7 @@ import torch
 
 from densetrain.data.sampler import MixtureOrder, permute
 from densetrain.data.shards import TokenStore
+from densetrain.errors import UserError
 
 
 @dataclass(kw_only=True)
@@ -200,14 +201,36 @@ class BatchStream:
         return {"consumed_sequences": self.consumed_sequences, **self._identity()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from ``state_dict()``; the sources, weights, seed and seq_len must match."""
+        """Resume from ``state_dict()``; the sources, weights, seed and seq_len must match
+        (`DataStateMismatchError` saying what differs)."""
         for key, value in self._identity().items():
             if state.get(key) != value:
-                raise ValueError(
-                    f"data loader state has {key}={state.get(key)!r} but this stream has "
-                    f"{value!r}; resume with the same datasets, weights, seed and seq_len"
-                )
+                raise DataStateMismatchError(self._mismatch(key, state.get(key)))
         consumed = int(state["consumed_sequences"])
         if consumed < 0:
             raise ValueError(f"consumed_sequences must be >= 0, got {consumed}")
         self.consumed_sequences = consumed
+
+    def _mismatch(self, key: str, saved: object) -> str:
+        """What differs between a saved data loader state and this stream, and what to do."""
+        fix = ("restore the data the run was trained on, or start a new run (another "
+               "--logging.run_dir, or --checkpoint.resume=false to start over in this one)")
+        if key == "num_sequences":
+            then = str(saved).split(",")
+            if len(then) == len(self.names):
+                changed = [
+                    f"dataset {name} held {old} sequences of {self.seq_len} tokens when the "
+                    f"checkpoint was saved and holds {now} now"
+                    for name, old, now in zip(self.names, then, self.num_sequences, strict=True)
+                    if old != str(now)
+                ]
+                return (f"{'; '.join(changed)}: the data changed since the checkpoint (its "
+                        f"contents differ, e.g. it was prepared again); {fix}")
+        return (f"the data loader state was saved with {key} {saved} but this run has "
+                f"{self._identity()[key]} (datasets {', '.join(self.names)}); resume with the "
+                f"same datasets, weights, seed and seq_len, or start a new run (another "
+                "--logging.run_dir, or --checkpoint.resume=false)")
+
+
+class DataStateMismatchError(UserError):
+    """A checkpoint's data loader state belongs to other data than the stream resuming it."""

@@ -192,6 +192,7 @@ def resume(parts: RunParts, progress: Progress, *, allow_config_change: bool = F
     ``checkpoint.allow_config_change``).
     """
     from densetrain.checkpoint.resume import check_resume_config, select_resume_checkpoint
+    from densetrain.data.stream import DataStateMismatchError
 
     latest = select_resume_checkpoint(parts.checkpoint_dir, run_dir=parts.run_dir)
     if latest is None:
@@ -202,7 +203,12 @@ def resume(parts: RunParts, progress: Progress, *, allow_config_change: bool = F
     tree = parts.state_tree(progress)
     if not has_fault_record(latest):
         del tree["faults"]  # saved before the record existed: no faults were recorded
-    load_checkpoint(latest, tree, verify=False)  # verified just above
+    try:
+        load_checkpoint(latest, tree, verify=False)  # verified just above
+    except DataStateMismatchError as error:
+        step = latest.name.removeprefix("step-").lstrip("0") or "0"
+        raise DataStateMismatchError(
+            f"cannot resume from checkpoint {latest} (step {step}): {error}") from error
     parts.optimizer.after_weights_loaded()
     if parts.is_main:
         print(f"resumed from {latest} (step {progress.step})", file=sys.stderr)

@@ -1,6 +1,6 @@
 """Damaged or edited prepared datasets: token ids outside the vocabulary (flipped bytes past the
-part of a shard checked on open), a ``meta.json`` with missing or mistyped fields, and a file
-given as a dataset directory."""
+part of a shard checked on open), a ``meta.json`` with missing or mistyped fields, a file given
+as a dataset directory, and a resume after the dataset was prepared again."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from densetrain.data import DataConfig, PrepareConfig, TokenStore, build_data, p
 from densetrain.data.checks import data_vocabulary
 from densetrain.data.inspect import inspect_dataset
 from densetrain.data.shards import HEAD_BYTES, load_metadata, verify_dataset
-from densetrain.data.stream import BatchStream
+from densetrain.data.stream import BatchStream, DataStateMismatchError
 from densetrain.errors import DamagedFileError
 from densetrain.testing import TINY_OVERRIDES
 
@@ -161,3 +161,47 @@ def test_a_file_given_as_the_dataset_directory_is_called_a_file(tmp_path, capsys
         assert "afile is a file, not a directory" in err and "does not exist" not in err
     with pytest.raises(OSError, match="is a file, not a directory"):
         data_vocabulary(DataConfig(datasets=[str(tmp_path / "afile")]))
+
+
+def _prepare_again(root: Path, tokenizer_path: Path, seed: int, count: int) -> None:
+    raw = root.parent / f"raw{seed}"
+    write_text_files(raw, synthetic_documents(count, seed=seed))
+    prepare_dataset([str(raw)], root, tokenizer=tokenizer_path, overwrite=True,
+                    cfg=PrepareConfig(val_fraction=0.1, shard_tokens=4000, batch_bytes=4000))
+
+
+def test_stream_state_of_a_changed_dataset_names_it_and_the_counts(prepared, tmp_path,
+                                                                   tokenizer_path):
+    other = Path(shutil.copytree(prepared, tmp_path / "other"))
+
+    def stream() -> BatchStream:
+        stores = [TokenStore(prepared, "train"), TokenStore(other, "train")]
+        return BatchStream(stores, [1.0, 1.0], seq_len=16, seed=1)
+
+    state = stream().state_dict()
+    before = stream().num_sequences[1]
+    _prepare_again(other, tokenizer_path, seed=9, count=60)
+    changed = stream()
+    with pytest.raises(DataStateMismatchError) as caught:
+        changed.load_state_dict(state)
+    message = str(caught.value)
+    assert f"dataset {other} held {before} sequences of 16 tokens" in message
+    assert f"holds {changed.num_sequences[1]} now" in message and str(prepared) + " " not in message
+    assert "changed since the checkpoint" in message and "--checkpoint.resume=false" in message
+    assert "'" not in message
+
+
+def test_resume_after_the_dataset_is_prepared_again_names_checkpoint_and_dataset(
+        dataset, tmp_path, tokenizer_path, capsys):
+    run = tmp_path / "run"
+    args = ["train", *TINY_OVERRIDES, f'--data.datasets=["{dataset}"]', "--eval.interval=0",
+            "--eval.sample_tokens=0", "--checkpoint.interval=2", "--schedule.warmup_steps=0",
+            f"--logging.run_dir={run}"]
+    assert main([*args, "--training.steps=2"]) == 0
+    _prepare_again(dataset, tokenizer_path, seed=9, count=60)
+    capsys.readouterr()
+    assert main([*args, "--training.steps=4"]) == 2
+    err = capsys.readouterr().err
+    assert "step-00000002 (step 2)" in err and f"dataset {dataset} held" in err
+    assert "changed since the checkpoint" in err and "--checkpoint.resume=false" in err
+    assert "num_sequences='" not in err and "internal error" not in err
