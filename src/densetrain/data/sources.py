@@ -1,14 +1,16 @@
 """Raw inputs: expand paths, directories and globs; stream documents from text, JSONL, Parquet.
 
 Documents are streamed one at a time (flat memory). Bytes that are not valid UTF-8 are replaced
-with U+FFFD and counted; malformed JSONL lines either fail with file and line number or are
-skipped and counted (``on_bad_line``). A text input whose content is binary (an image, an
-archive, a compiled file, whatever its name) is skipped and counted, judged by its first bytes.
+with U+FFFD and counted; malformed JSONL lines (and null Parquet text) either fail with file and
+line (row) number or are skipped and counted (``on_bad_line``). A text input whose content is
+binary (an image, an archive, a compiled file, whatever its name) is skipped and counted, judged
+by its first bytes. A truncated or damaged ``.gz`` / ``.zst`` file is an error.
 """
 
 from __future__ import annotations
 
 import codecs
+import errno
 import glob
 import gzip
 import hashlib
@@ -16,6 +18,7 @@ import io
 import itertools
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +35,10 @@ _SNIFF_BYTES = 8000
 _BINARY_CONTROL = bytes(set(range(32)) - {8, 9, 10, 12, 13, 27})
 _MAX_CONTROL_FRACTION = 0.1
 _MAX_INVALID_UTF8_FRACTION = 0.3
+_ZSTD_READ_BLOCK = 1 << 16  # compressed bytes per step (text expands ~3-10x)
+# A surrogate left in a str by a JSON \uXXXX escape that is not half of a pair.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+_JSONL_RULE = "each line must be a JSON object with a string text field"
 
 
 @dataclass(kw_only=True)
@@ -163,11 +170,89 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
         elif path.is_file():
             files.append(path)
         else:
-            raise FileNotFoundError(
-                f"input path {entry!r} does not exist; give text, JSONL or Parquet files, "
-                "directories or globs"
-            )
+            raise FileNotFoundError(_not_an_input(entry, path))
     return files
+
+
+def _not_an_input(entry: str, path: Path) -> str:
+    """Why ``path`` (neither a file nor a directory) cannot be read: a broken symbolic link,
+    a symlink loop, a missing path, one that cannot be looked at, or a special file."""
+    allowed = "give text, JSONL or Parquet files, directories or globs"
+    if path.is_symlink():
+        target = os.readlink(path)
+        try:
+            os.stat(path)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                return (f"input path {entry!r} is a symbolic link loop (it points to {target!r}, "
+                        f"which leads back to itself); {allowed}")
+        return (f"input path {entry!r} is a broken symbolic link: it points to {target!r}, "
+                f"which does not exist; {allowed}")
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return f"input path {entry!r} does not exist; {allowed}"
+    except OSError as error:  # a parent that is a file, a directory without permission, ...
+        return f"input path {entry!r} cannot be looked at ({error.strerror}); {allowed}"
+    return (f"input path {entry!r} is not a regular file or directory (a device, FIFO or "
+            f"socket); {allowed}")
+
+
+class _ZstdReader(io.RawIOBase):
+    """The decompressed bytes of a ``.zst`` file, frame after frame.
+
+    ``zstandard``'s ``stream_reader`` ends silently where a truncated file ends; here a file
+    that ends inside a frame raises ``EOFError``, and bytes that are not zstd ``OSError`` (the
+    messages gzip gives for the same damage are alike).
+    """
+
+    def __init__(self, path: Path) -> None:
+        import zstandard
+
+        self._zstd = zstandard
+        self._file = open(path, "rb")  # noqa: SIM115 - closed in close()
+        self._frame = None  # the decompressobj of the frame being read, None between frames
+        self._input = b""  # compressed bytes not yet given to a decompressor
+        self._output = b""  # decompressed bytes, returned up to _offset
+        self._offset = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self._offset == len(self._output):
+            if not self._input:
+                self._input = self._file.read(_ZSTD_READ_BLOCK)
+                if not self._input:
+                    if self._frame is not None:
+                        raise EOFError("the file is truncated (the zstd stream ends inside a "
+                                       "frame)")
+                    return 0
+            if self._frame is None:
+                self._frame = self._zstd.ZstdDecompressor().decompressobj()
+            try:
+                self._output, self._offset = self._frame.decompress(self._input), 0
+            except self._zstd.ZstdError as error:
+                raise OSError(f"not a valid zstd stream ({error})") from error
+            if self._frame.eof:  # the frame ended; what follows is the next frame, if any
+                self._input, self._frame = self._frame.unused_data, None
+            else:
+                self._input = b""
+        count = min(len(buffer), len(self._output) - self._offset)
+        buffer[:count] = memoryview(self._output)[self._offset : self._offset + count]
+        self._offset += count
+        return count
+
+    def readall(self) -> bytes:
+        """The rest of the stream (in large steps: the default's 8 KiB reads are slow)."""
+        chunks = []
+        while chunk := self.read(_READ_BLOCK):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
 
 
 def _open_binary(path: Path) -> BinaryIO:
@@ -175,10 +260,7 @@ def _open_binary(path: Path) -> BinaryIO:
     if name.endswith(".gz"):
         return gzip.open(path, "rb")  # type: ignore[return-value]
     if name.endswith(".zst"):
-        import zstandard
-
-        raw = open(path, "rb")  # noqa: SIM115 - closed through the stream reader
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
+        return io.BufferedReader(_ZstdReader(path), buffer_size=_READ_BLOCK)
     return open(path, "rb")  # noqa: SIM115
 
 
@@ -191,12 +273,13 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _bad_line(stats: ReadStats, on_bad_line: str, where: str, why: str) -> None:
+def _bad_line(stats: ReadStats, on_bad_line: str, where: str, why: str,
+              rule: str = _JSONL_RULE) -> None:
     message = f"{where}: {why}"
     if on_bad_line == "error":
         raise UserError(
-            f"{message}; each line must be a JSON object with a string text field (pass "
-            "--on-bad-line=skip, or on_bad_line='skip' in Python, to skip and count such lines)"
+            f"{message}; {rule} (pass --on-bad-line=skip, or on_bad_line='skip' in Python, to "
+            "skip and count such lines)"
         )
     stats.skipped_lines += 1
     if len(stats.skipped_examples) < 10:
@@ -206,13 +289,15 @@ def _bad_line(stats: ReadStats, on_bad_line: str, where: str, why: str) -> None:
 def _iter_jsonl(path: Path, text_field: str, on_bad_line: str, stats: ReadStats) -> Iterator[str]:
     with _open_binary(path) as f:
         for line_no, raw in enumerate(f, start=1):
+            if line_no == 1 and raw.startswith(codecs.BOM_UTF8):  # as utf-8-sig reads it
+                raw = raw[len(codecs.BOM_UTF8):]
             if not raw.strip():
                 continue
             where = f"{path}:{line_no}"
             try:
                 record = json.loads(decode_utf8(raw, stats))
             except json.JSONDecodeError as e:
-                _bad_line(stats, on_bad_line, where, f"malformed JSON ({e.msg})")
+                _bad_line(stats, on_bad_line, where, f"malformed JSON ({_json_problem(e)})")
                 continue
             if not isinstance(record, dict):
                 _bad_line(stats, on_bad_line, where, "line is not a JSON object")
@@ -225,7 +310,19 @@ def _iter_jsonl(path: Path, text_field: str, on_bad_line: str, stats: ReadStats)
             if not isinstance(value, str):
                 _bad_line(stats, on_bad_line, where, f"field {text_field!r} is not a string")
                 continue
+            surrogate = _LONE_SURROGATE.search(value) if b"\\u" in raw else None
+            if surrogate is not None:  # only a \uXXXX escape can put one in the text
+                _bad_line(stats, on_bad_line, where, f"field {text_field!r} holds a lone surrogate "
+                          f"\\u{ord(surrogate.group()):04x}, not valid Unicode (a \\uXXXX "
+                          "escape that is not half of a surrogate pair)")
+                continue
             yield value
+
+
+def _json_problem(error: json.JSONDecodeError) -> str:
+    """``Expecting value at column 7``: the decoder's message and where on the line."""
+    message = error.msg if error.msg.endswith(" at") else f"{error.msg} at"
+    return f"{message} column {error.colno}"
 
 
 def _skip_binary(path: Path, reason: str, stats: ReadStats) -> None:
@@ -259,23 +356,53 @@ def _iter_text(path: Path, separator: str, stats: ReadStats) -> Iterator[str]:
         yield decode_utf8(pending, stats)
 
 
-def _iter_parquet(path: Path, column: str) -> Iterator[str]:
+def _is_text_type(arrow_type) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(arrow_type):  # e.g. a pandas categorical of strings
+        arrow_type = arrow_type.value_type
+    is_string_view = getattr(pa.types, "is_string_view", lambda _: False)  # pyarrow >= 16
+    return (pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
+            or is_string_view(arrow_type))
+
+
+def _iter_parquet(path: Path, column: str, on_bad_line: str, stats: ReadStats) -> Iterator[str]:
+    """The strings of ``column``; a column of another type is refused, a null row is a bad
+    line (an error, or skipped and counted)."""
     import pyarrow.parquet as pq
 
     try:
         parquet = pq.ParquetFile(path)
     except Exception as error:  # pyarrow's own error types; the message says what is wrong
         raise UserError(f"{path} is not a readable Parquet file: {error}") from error
-    names = parquet.schema_arrow.names
+    schema = parquet.schema_arrow
+    names = schema.names
     if column not in names:
         raise UserError(
             f"parquet file {path} has no column {column!r}; columns: {names} (choose one with "
             "--text-field)"
         )
+    arrow_type = schema.field(names.index(column)).type
+    if not _is_text_type(arrow_type):
+        raise UserError(
+            f"parquet file {path}: column {column!r} is of type {arrow_type}, not text; the "
+            "text column must be of type string or large_string (choose another with "
+            f"--text-field; columns: {names})"
+        )
+    row = 0
     for batch in parquet.iter_batches(columns=[column], batch_size=1024):
-        for value in batch.column(0).to_pylist():
-            if value is not None:
-                yield value if isinstance(value, str) else str(value)
+        values = batch.column(0)
+        if values.null_count == 0:
+            row += len(values)
+            yield from values.to_pylist()
+            continue
+        for value in values.to_pylist():
+            row += 1
+            if value is None:
+                _bad_line(stats, on_bad_line, f"{path}: row {row}", f"column {column!r} is null",
+                          rule="each row must hold a string in the text column")
+                continue
+            yield value
 
 
 def iter_documents(
@@ -295,7 +422,7 @@ def iter_documents(
         if kind == "jsonl":
             documents: Iterator[str] = _iter_jsonl(path, text_field, on_bad_line, stats)
         elif kind == "parquet":
-            documents = _iter_parquet(path, text_field)
+            documents = _iter_parquet(path, text_field, on_bad_line, stats)
         else:
             documents = _iter_text(path, text_separator, stats)
         try:
