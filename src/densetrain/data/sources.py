@@ -405,6 +405,26 @@ def _iter_parquet(path: Path, column: str, on_bad_line: str, stats: ReadStats) -
             yield value
 
 
+class DocumentStream(Iterator[str]):
+    """The documents `iter_documents` streams, with the ``files`` they come from and the
+    ``stats`` reading counts into (so a consumer can say what was read and skipped)."""
+
+    def __init__(self, files: list[Path], stats: ReadStats, documents: Iterator[str]) -> None:
+        self.files = files
+        self.stats = stats
+        self._documents = documents
+
+    def __iter__(self) -> DocumentStream:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._documents)
+
+    def close(self) -> None:
+        """Stop reading (closes the file being read)."""
+        self._documents.close()
+
+
 def iter_documents(
     files: list[Path],
     *,
@@ -412,11 +432,18 @@ def iter_documents(
     on_bad_line: str = "error",
     text_separator: str = "",
     stats: ReadStats,
-) -> Iterator[str]:
+) -> DocumentStream:
     """Stream documents: a JSONL line or Parquet row is one; a text file is one, or, with
     ``text_separator`` (e.g. ``"\\n\\n"``), each piece between separators is one."""
     if on_bad_line not in ("error", "skip"):
         raise ValueError(f"on_bad_line must be 'error' or 'skip', got {on_bad_line!r}")
+    files = list(files)
+    return DocumentStream(files, stats, _documents(files, text_field, on_bad_line,
+                                                   text_separator, stats))
+
+
+def _documents(files: list[Path], text_field: str, on_bad_line: str, text_separator: str,
+               stats: ReadStats) -> Iterator[str]:
     for path in files:
         kind = input_kind(path)
         if kind == "jsonl":

@@ -1,19 +1,23 @@
-"""Bad raw inputs: one clear error, or a counted skip.
+"""Bad raw inputs and bad tokenizer-training arguments: one clear error, or a counted skip.
 
 Damaged .zst files, lone UTF-16 surrogates in JSONL, non-text Parquet columns and null rows,
-malformed-JSON positions, a leading BOM, broken symbolic links.
+malformed-JSON positions, a leading BOM, broken symbolic links; train_tokenizer's vocabulary
+size, min_frequency, special-token names and output, and the tokenizer_config.json sidecar.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 from data_helpers import synthetic_documents
 
-from densetrain.data import train_tokenizer
+from densetrain.data import load_tokenizer, train_tokenizer
 from densetrain.data.sources import ReadStats, expand_inputs, iter_documents
+from densetrain.data.tokenizer import hf_config_path
 from densetrain.errors import UserError
 
 DOCS = synthetic_documents(30)
@@ -27,6 +31,11 @@ def _read(paths, **kwargs) -> tuple[list[str], ReadStats]:
 
 def _jsonl_bytes(count: int) -> bytes:
     return "".join(json.dumps({"text": f"doc {i} " * 50}) + "\n" for i in range(count)).encode()
+
+
+def _never_read():
+    raise AssertionError("the corpus was read although the arguments were refused")
+    yield ""  # pragma: no cover - makes this a generator
 
 
 # --- .zst inputs ------------------------------------------------------------------------------
@@ -148,3 +157,104 @@ def test_broken_symlink_and_symlink_loop_are_named(tmp_path):
         expand_inputs([str(dangling)])
     with pytest.raises(FileNotFoundError, match="is a symbolic link loop"):
         expand_inputs([str(loop)])
+
+
+# --- train_tokenizer arguments and output -----------------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(vocab_size=5_000_000_000), r"--vocab-size 5,000,000,000 is out of range"),
+    (dict(vocab_size=258), r"--vocab-size 258 is out of range: vocab_size must be between 259"),
+    (dict(vocab_size=300, min_frequency=-3), r"--min-frequency .* 0 or more.* got -3"),
+])
+def test_bad_training_arguments_are_refused_before_reading(tmp_path, kwargs, match):
+    with pytest.raises(UserError, match=match):
+        train_tokenizer(_never_read(), tmp_path / "t.json", **kwargs)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_that_is_a_directory_is_refused_and_nothing_left(tmp_path):
+    (tmp_path / "tokdir").mkdir()
+    with pytest.raises(UserError, match=r"--output .*tokdir is a directory.*tokdir/tokenizer"):
+        train_tokenizer(_never_read(), tmp_path / "tokdir", vocab_size=300)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokdir"]
+
+
+@pytest.fixture()
+def read_only_dir(tmp_path):
+    """A directory that cannot be written: a read-only tmpfs as root, else mode 0o555."""
+    path = tmp_path / "ro"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(path)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_read_only_output_is_refused_before_training(read_only_dir):
+    with pytest.raises(UserError, match=r"--output .*ro/sub/a\.json cannot be written"):
+        train_tokenizer(_never_read(), read_only_dir / "sub" / "a.json", vocab_size=300)
+
+
+def test_output_under_a_file_is_refused(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(UserError, match=r"f is a file, not a directory"):
+        train_tokenizer(_never_read(), tmp_path / "f" / "t.json", vocab_size=300)
+
+
+def test_custom_special_names_outside_tokenizer_json_are_refused_before_training(tmp_path):
+    with pytest.raises(UserError, match=r"would not find BOS 'BOS'.*c/tokenizer\.json"):
+        train_tokenizer(_never_read(), tmp_path / "c.json", vocab_size=300,
+                        special_tokens=("BOS", "EOS", "PAD"))
+    with pytest.raises(UserError, match=r"'<\|eos\|>' is given as BOS.*order BOS,EOS,PAD"):
+        train_tokenizer(_never_read(), tmp_path / "c.json", vocab_size=300,
+                        special_tokens=("<|eos|>", "<|bos|>", "<|pad|>"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_custom_special_names_in_tokenizer_json_are_the_roles_given(tmp_path):
+    path = tmp_path / "c" / "tokenizer.json"
+    tok = train_tokenizer(DOCS, path, vocab_size=300, special_tokens=("BOS", "EOS", "PAD"))
+    again = load_tokenizer(path.parent)
+    for loaded in (tok, again):
+        assert (loaded.bos_id, loaded.eos_id, loaded.pad_id) == (0, 1, 2)
+        assert loaded.decode([loaded.eos_id]) == "EOS"
+    config = json.loads((path.parent / "tokenizer_config.json").read_text())
+    assert (config["bos_token"], config["eos_token"], config["pad_token"]) == ("BOS", "EOS", "PAD")
+    assert sorted(p.name for p in path.parent.iterdir()) == ["tokenizer.json",
+                                                            "tokenizer_config.json"]
+
+
+def test_sidecar_is_written_only_for_tokenizer_json_and_used_only_when_it_matches(tmp_path):
+    a = train_tokenizer(DOCS, tmp_path / "x" / "a.json", vocab_size=300)
+    b = train_tokenizer(DOCS, tmp_path / "x" / "b.json", vocab_size=300,
+                        special_tokens=("<s>", "</s>", "<pad>"))
+    assert sorted(p.name for p in (tmp_path / "x").iterdir()) == ["a.json", "b.json"]
+    assert hf_config_path(a) is None
+    stale = tmp_path / "x" / "tokenizer_config.json"  # as an older densetrain left it: b's
+    stale.write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}))
+    assert hf_config_path(load_tokenizer(a.path)) is None  # a has no "</s>"
+    assert hf_config_path(load_tokenizer(b.path)) == stale
+    c = train_tokenizer(DOCS, tmp_path / "y" / "tokenizer.json", vocab_size=300)
+    assert hf_config_path(c) == tmp_path / "y" / "tokenizer_config.json"
+
+
+def test_empty_corpus_names_the_inputs_and_the_skipped(tmp_path):
+    for i in range(3):
+        (tmp_path / "in").mkdir(exist_ok=True)
+        (tmp_path / "in" / f"b{i}.bin").write_bytes(bytes(range(256)) * 10)
+    stats = ReadStats()
+    documents = iter_documents(expand_inputs([str(tmp_path / "in")]), stats=stats)
+    with pytest.raises(UserError, match=r"corpus is empty: inputs .*b0\.bin, .*b1\.bin, .*b2\.bin "
+                                        r"gave no documents \(3 binary files skipped\)"):
+        train_tokenizer(documents, tmp_path / "t.json", vocab_size=300)
+    assert not (tmp_path / "t.json").exists()
