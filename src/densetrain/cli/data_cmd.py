@@ -44,6 +44,9 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
     from densetrain.data.tokenizer import train_tokenizer
 
     output = Path(args.output)
+    if output.is_dir():
+        raise UserError(f"--output {output} is a directory; name the tokenizer file to write, "
+                        f"e.g. {output / 'tokenizer.json'}")
     if output.exists() and not args.overwrite:  # datasets record the tokenizer they were cut by
         raise UserError(
             f"{output} exists; choose another --output or replace it with --overwrite "
@@ -218,7 +221,8 @@ def _add_reading_args(parser: argparse.ArgumentParser) -> None:
         "--on-bad-line",
         choices=("error", "skip"),
         default="error",
-        help="malformed JSONL lines: fail with file:line, or skip and count",
+        help="a bad record (a malformed JSONL line, a missing or non-string text field, a lone "
+        "surrogate, a null Parquet row): fail naming file:line, or skip and count",
     )
     parser.add_argument(
         "--text-separator",

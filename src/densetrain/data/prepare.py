@@ -34,7 +34,7 @@ from densetrain.data.shards import (
     write_shard,
 )
 from densetrain.data.sources import ReadStats, describe_sources, expand_inputs, iter_documents
-from densetrain.data.tokenizer import Tokenizer, load_tokenizer
+from densetrain.data.tokenizer import HF_CONFIG_FILE, Tokenizer, hf_config_path, load_tokenizer
 from densetrain.errors import UserError
 
 PROGRESS_FILE = "progress.json"
@@ -340,13 +340,13 @@ def _progress_bar(enabled: bool, total: int):
 
 
 def _copy_tokenizer(tok: Tokenizer, destination: Path) -> None:
-    """Copy the tokenizer file (and a Hugging Face ``tokenizer_config.json`` beside it)."""
+    """Copy the tokenizer file (and the Hugging Face ``tokenizer_config.json`` beside it when
+    it describes this tokenizer: `hf_config_path`)."""
     source = Path(tok.path)
     pairs = [(source, destination)]
-    if (source.parent / "tokenizer_config.json").is_file() and tok.kind == "hf":
-        pairs.append(
-            (source.parent / "tokenizer_config.json", destination.parent / "tokenizer_config.json")
-        )
+    config = hf_config_path(tok)
+    if config is not None:
+        pairs.append((config, destination.parent / HF_CONFIG_FILE))
     for src, dst in pairs:
         if src.resolve() != dst.resolve():
             shutil.copyfile(src, str(dst) + ".tmp")

@@ -292,3 +292,15 @@ def test_tokenizer_on_binary_files_says_what_was_skipped(tmp_path, binary, capsy
     err = capsys.readouterr().err
     assert code == 2 and "empty" in err and "1 binary files skipped" in err, err
     assert not os.path.exists(tmp_path / "t.json")
+
+
+@pytest.mark.parametrize("overwrite", [(), ("--overwrite",)])
+def test_train_tokenizer_output_that_is_a_directory_names_the_file_to_give(raw, tmp_path, capsys,
+                                                                           overwrite):
+    (tmp_path / "tokdir").mkdir()
+    code = main(["data", "train-tokenizer", str(raw), "-o", str(tmp_path / "tokdir"),
+                 "--vocab-size", "300", *overwrite])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "is a directory" in err and "tokdir/tokenizer.json" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["raw", "tokdir"])

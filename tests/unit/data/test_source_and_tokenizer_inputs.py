@@ -258,3 +258,23 @@ def test_empty_corpus_names_the_inputs_and_the_skipped(tmp_path):
                                         r"gave no documents \(3 binary files skipped\)"):
         train_tokenizer(documents, tmp_path / "t.json", vocab_size=300)
     assert not (tmp_path / "t.json").exists()
+
+
+def test_prepare_copies_only_the_sidecar_that_describes_its_tokenizer(tmp_path):
+    """The audit case: a directory of two tokenizers and one tokenizer_config.json written for
+    the other; the dataset must not ship a config naming tokens its tokenizer lacks."""
+    from densetrain.data.prepare import prepare_dataset
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(DOCS))
+    a = train_tokenizer(DOCS, tmp_path / "x" / "a.json", vocab_size=300)
+    stale = tmp_path / "x" / "tokenizer_config.json"
+    stale.write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}))
+    prepare_dataset([str(corpus)], tmp_path / "ds_a", tokenizer=a.path)
+    assert not (tmp_path / "ds_a" / "tokenizer_config.json").exists()
+    c = train_tokenizer(DOCS, tmp_path / "y" / "tokenizer.json", vocab_size=300,
+                        special_tokens=("<s>", "</s>", "<pad>"))
+    prepare_dataset([str(corpus)], tmp_path / "ds_c", tokenizer=c.path)
+    copied = tmp_path / "ds_c" / "tokenizer_config.json"
+    assert json.loads(copied.read_text())["eos_token"] == "</s>"
+    assert load_tokenizer(tmp_path / "ds_c" / "tokenizer.json").eos_id == c.eos_id
