@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import traceback
 
 DEBUG_FLAG = "--debug"
 EXIT_USER_ERROR = 2
 EXIT_INTERNAL_ERROR = 1
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader left
 
 _COMMAND_MODULES = {
     "densetrain.cli.train_cmd": ("train",),
@@ -169,12 +171,21 @@ def main(argv: list[str] | None = None) -> int:
     args.whole_process = whole_process
     args.argv = argv + ([DEBUG_FLAG] if debug else [])
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, so that a reader gone early is met below, not at exit
+        return code
     except KeyboardInterrupt:
         print(f"densetrain {_command_name(args)}: interrupted", file=sys.stderr)
         return 130
     except SystemExit:
         raise
+    except BrokenPipeError:
+        # The reader went away (``densetrain data inspect DS | head``): stop quietly, as Unix
+        # tools do, with the shell's code for SIGPIPE. stdout points at /dev/null so that the
+        # interpreter's final flush of the buffered output cannot raise again.
+        if whole_process:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except BaseException as error:  # the one boundary where every command's errors are reported
         from densetrain.errors import unwrap_error
 

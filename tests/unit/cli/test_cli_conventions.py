@@ -81,3 +81,15 @@ def test_importing_and_parsing_emit_no_warnings():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         build_parser()
+
+
+@pytest.mark.parametrize("command", [["presets"], ["model-info", "llama3-8b", "--json"]])
+def test_a_reader_that_leaves_early_ends_the_command_quietly(command):
+    """``densetrain presets | head -1``: a closed pipe is no error of the user's or ours; like
+    Unix tools the command stops without a word, with the shell's code for SIGPIPE (141)."""
+    proc = subprocess.Popen([sys.executable, "-m", "densetrain", *command],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first write
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141
+    assert err == ""
