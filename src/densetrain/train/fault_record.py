@@ -3,7 +3,8 @@
 The record (the entry ``faults`` of the state tree) holds the run's total of skipped
 non-finite steps, its rollbacks and the data ranges they skipped; ``<run_dir>/faults.jsonl``
 holds one line per event as it happens, so a rollback after the newest checkpoint is not
-forgotten on resume.
+forgotten on resume. Every event is checked as it is read (`check_event`): a bad one is an error
+naming ``faults.jsonl:LINE`` and the field, not a crash on every restart.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+from densetrain.errors import UserError
 from densetrain.train.jsonl import drop_torn_tail, read_json_lines
 
 HISTORY_FILE = "faults.jsonl"
+EVENT_KINDS = ("rollback", "sdc")
+"""The ``event`` of each line of the history (`append_history`'s callers in faults.py)."""
 
 
 def dist_on() -> bool:
@@ -67,24 +71,71 @@ class FaultRecord:
 
     def merge_history(self, run_dir: Path) -> None:
         """Add the rollbacks and ranges of ``<run_dir>/faults.jsonl`` (read on rank 0, sent to
-        all): a rollback after the newest checkpoint is in the history only."""
-        events: list[Any] = [read_history(run_dir, drop_torn=True) if rank() == 0 else None]
+        all): a rollback after the newest checkpoint is in the history only. A bad line is a
+        ``UserError`` on every rank (none is left waiting for rank 0)."""
+        events: list[Any] = [None]
+        if rank() == 0:
+            try:
+                events[0] = read_history(run_dir, drop_torn=True)
+            except UserError as err:
+                events[0] = str(err)
         if dist_on():
             dist.broadcast_object_list(events, src=0)
+        if isinstance(events[0], str):
+            raise UserError(events[0])
         for event in events[0]:
-            if event.get("event") == "rollback":
-                self.add_rollback(int(event["spike_step"]), int(event["to_step"]))
-                self.add_skip(int(event["skip"][0]), int(event["skip"][1]))
+            if event["event"] == "rollback":  # checked by read_history
+                self.add_rollback(event["spike_step"], event["to_step"])
+                self.add_skip(event["skip"][0], event["skip"][1])
+
+
+def _step_field(event: dict[str, Any], name: str) -> int:
+    """``event[name]``, which must be a step number (an integer >= 0)."""
+    if name not in event:
+        raise ValueError(f"a {event['event']} event needs the field {name!r}, which is missing")
+    value = event[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"field {name!r} is {value!r}; it must be a step number (an integer "
+                         ">= 0)")
+    return value
+
+
+def check_event(event: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming the field when ``event`` is not a fault event: ``event`` one
+    of `EVENT_KINDS`; a rollback's ``spike_step`` and ``to_step`` step numbers, ``to_step``
+    before ``spike_step``, ``skip`` the pair ``[start, end]`` of sequence positions it skipped,
+    ``0 <= start <= end``."""
+    kind = event.get("event")
+    if kind not in EVENT_KINDS:
+        raise ValueError(f"field 'event' is {kind!r}; a fault event is one of "
+                         f"{', '.join(EVENT_KINDS)}")
+    if kind != "rollback":
+        return
+    spike_step, to_step = _step_field(event, "spike_step"), _step_field(event, "to_step")
+    if to_step >= spike_step:
+        raise ValueError(f"field 'to_step' is {to_step}, not before 'spike_step' {spike_step}: "
+                         "a rollback goes back to an earlier step")
+    skip = event.get("skip")
+    if not (isinstance(skip, list) and len(skip) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in skip)
+            and 0 <= skip[0] <= skip[1]):
+        raise ValueError(f"field 'skip' is {skip!r}; it must be the skipped sequence positions "
+                         "[start, end], integers with 0 <= start <= end")
 
 
 def read_history(run_dir: str | Path, *, drop_torn: bool = False) -> list[dict[str, Any]]:
-    """The events of ``<run_dir>/faults.jsonl`` (empty when absent); a torn last line is left
-    out (and, with ``drop_torn``, cut from the file: rank 0 on resume, before it appends); a bad
-    line before it names itself."""
+    """The events of ``<run_dir>/faults.jsonl`` (empty when absent), each checked
+    (`check_event`); a torn last line is left out (and, with ``drop_torn``, cut from the file:
+    rank 0 on resume, before it appends); any other bad line is a ``UserError`` naming
+    ``faults.jsonl:LINE`` and the field."""
     path = Path(run_dir) / HISTORY_FILE
     if not path.is_file():
         return []
-    events, torn_at = read_json_lines(path, "fault event")
+    try:
+        events, torn_at = read_json_lines(path, "fault event", check_event)
+    except ValueError as err:
+        raise UserError(f"{err}. {HISTORY_FILE} is the run's record of its rollbacks, read on "
+                        "every resume: repair or remove that line") from err
     if drop_torn and torn_at is not None:
         drop_torn_tail(path, torn_at)
     return events

@@ -6,7 +6,9 @@ write leaves the last line torn; nothing else can be half-written. So a bad *las
 expected after a crash and is left out (and dropped from the file by the next process that
 appends, before it appends: otherwise its lines would bury the torn one between whole lines),
 while a bad line before the last means the file was damaged and is an error naming
-``file:line``.
+``file:line``. Only a line that is not JSON can be torn: a cut-short write of a JSON object is
+never itself one, so a whole JSON line that is not a record of the log (a JSON list, a missing or
+ill-typed field) is damage wherever it stands, the last line included.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ def read_json_lines(path: Path, what: str,
     """(The whole records of ``path``, the byte offset where a torn last line starts or None).
 
     ``check(record)`` raises (``KeyError``, ``TypeError``, ``ValueError``) for a JSON object
-    that is not a ``what`` record. A bad line before the last raises ``ValueError`` naming
-    ``path:line`` and ``what``.
+    that is not a ``what`` record. A line that is not JSON, before the last, and a whole JSON
+    line that is not a ``what`` record, anywhere, raise ``ValueError`` naming ``path:line`` and
+    ``what``.
     """
     raw_lines = path.read_bytes().split(b"\n")
     records: list[dict[str, Any]] = []
@@ -37,14 +40,18 @@ def read_json_lines(path: Path, what: str,
             continue
         try:
             record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            if not any(rest.strip() for rest in raw_lines[number:]):
+                return records, line_start  # torn: its process stopped while writing it
+            detail = err.msg if isinstance(err, json.JSONDecodeError) else str(err)
+            raise ValueError(f"{path}:{number}: not a {what} ({detail})") from err
+        try:  # a whole JSON line: never torn, so a wrong one is damage even when last
             if not isinstance(record, dict):
                 raise TypeError(f"a JSON {type(record).__name__}, not an object")
             if check is not None:
                 check(record)
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-            if not any(rest.strip() for rest in raw_lines[number:]):
-                return records, line_start
-            detail = err.msg if isinstance(err, json.JSONDecodeError) else str(err)
+        except (KeyError, TypeError, ValueError) as err:
+            detail = f"no field {err}" if isinstance(err, KeyError) else str(err)
             raise ValueError(f"{path}:{number}: not a {what} ({detail})") from err
         records.append(record)
     return records, None
