@@ -3,7 +3,11 @@
 `select_resume_checkpoint` walks the ``step-N`` directories newest first; one whose files do
 not match its manifest is reported (which file, what is wrong), renamed to ``step-N.damaged``
 (never deleted) and skipped, so a restart after damage continues from the previous good one by
-itself. `check_resume_config` compares the checkpoint's saved ``config.toml`` with the run's:
+itself. When checkpoints existed but none verifies (all damaged now, or set aside by an earlier
+attempt) the resume is refused (`NoVerifiedCheckpointError`) rather than starting over from step
+0 and throwing the run's progress away: every automatic restart gets the same refusal until
+someone restores a checkpoint or starts over on purpose (``checkpoint.resume=false``).
+`check_resume_config` compares the checkpoint's saved ``config.toml`` with the run's:
 a change to a field that alters the model or the order of the training data is refused naming
 each field with its old and new value, unless ``checkpoint.allow_config_change`` is set; then the
 change is appended to the run's history file (``run_history.jsonl``). Steps, intervals, logging,
@@ -15,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -25,12 +30,17 @@ import tomllib
 from densetrain.checkpoint import collective
 from densetrain.checkpoint.manager import (
     CONFIG_FILE,
+    CheckpointError,
     checkpoint_dirs,
     set_aside,
     verify_checkpoint,
 )
+from densetrain.errors import DamagedFileError
 
 HISTORY_FILE = "run_history.jsonl"
+DAMAGED = "damaged"
+"""The suffix of a checkpoint set aside on resume: ``step-N.damaged`` (``.damaged-2``, ...)."""
+_DAMAGED_RE = re.compile(rf"^step-\d{{8,}}\.{DAMAGED}(-\d+)?$")
 
 DATA_ORDER_FIELDS = frozenset({
     "data.datasets", "data.weights", "data.seq_len", "data.seed", "data.document_masking",
@@ -45,6 +55,11 @@ MODEL_FIELDS_FREE_ON_RESUME = frozenset({
     "model.init_std", "model.scale_residual_init", "model.dropout", "model.z_loss_coef",
 })
 """Model fields that only act at initialisation or as training regularisers."""
+
+
+class NoVerifiedCheckpointError(CheckpointError, DamagedFileError):
+    """The run has checkpoints, but every one is damaged: resuming would start over from step 0
+    (an input error to the CLI: exit 2, naming each one)."""
 
 
 class ConfigChangeError(ValueError):
@@ -79,30 +94,69 @@ def append_history(run_dir: str | os.PathLike, event: dict[str, Any]) -> None:
         os.close(fd)
 
 
+def damaged_checkpoints(checkpoint_dir: str | os.PathLike) -> list[Path]:
+    """The checkpoints set aside as damaged under ``checkpoint_dir`` (``step-N.damaged``), by
+    name."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if _DAMAGED_RE.match(p.name) and p.is_dir())
+
+
 def select_resume_checkpoint(checkpoint_dir: str | os.PathLike, *,
                              run_dir: str | os.PathLike | None = None,
                              group: Any = None) -> Path | None:
-    """The newest checkpoint under ``checkpoint_dir`` whose manifest verifies, or None.
+    """The newest checkpoint under ``checkpoint_dir`` whose manifest verifies, or None when the
+    run has none (a new run, or one stopped before its first save completed).
 
-    Collective over ``group`` (every rank gets the same answer). Each damaged newer checkpoint is
+    Collective over ``group`` (every rank gets the same answer). Each damaged checkpoint is
     reported on stderr, renamed to ``<name>.damaged`` by rank 0 and noted in the run history.
+    When none verifies but there were some (damaged now, or set aside before),
+    `NoVerifiedCheckpointError` names each: the run is not silently started over.
     """
-    for step, path in reversed(checkpoint_dirs(checkpoint_dir)):
+    earlier = damaged_checkpoints(checkpoint_dir)  # every rank, before rank 0 renames any
+    candidates = list(reversed(checkpoint_dirs(checkpoint_dir)))
+    moved_now: list[str] = []
+    for index, (step, path) in enumerate(candidates):
         damage = verify_checkpoint(path, group)
         if not damage:
             return path
-        moved = None
         if collective.rank() == 0:
-            moved = set_aside(path, "damaged")
+            moved = set_aside(path, DAMAGED)
+            moved_now.append(moved.name)
             details = "; ".join(map(str, damage))
+            after = ("trying the previous one" if index + 1 < len(candidates)
+                     else "no older checkpoint is left")
             print(f"checkpoint {path} is damaged ({details}); set aside as {moved.name}, "
-                  "trying the previous one", file=sys.stderr)
+                  f"{after}", file=sys.stderr)
             if run_dir is not None:
                 append_history(run_dir, {"event": "checkpoint_set_aside", "step": step,
                                          "checkpoint": str(path), "moved_to": str(moved),
                                          "damage": [str(d) for d in damage]})
         collective.barrier(group)
+    if candidates or earlier:
+        raise NoVerifiedCheckpointError(_none_verifies(Path(checkpoint_dir), candidates,
+                                                       moved_now, earlier))
     return None
+
+
+def _none_verifies(root: Path, candidates: list[tuple[int, Path]], moved_now: list[str],
+                   earlier: list[Path]) -> str:
+    """The refusal of a resume whose every checkpoint is damaged: which, and what to do."""
+    if candidates:
+        names = ", ".join(f"{path.name} (now {new})" if new else path.name
+                          for (_, path), new in zip(candidates, moved_now or [""] * len(candidates),
+                                                    strict=True))
+        what = f"every checkpoint in {root} is damaged: {names}"
+        if earlier:
+            what += f"; set aside before: {', '.join(p.name for p in earlier)}"
+    else:
+        what = (f"{root} holds no checkpoint that verifies: all were set aside as damaged "
+                f"({', '.join(p.name for p in earlier)})")
+    return (f"refusing to start this run over from step 0: {what}. Nothing was trained. "
+            "To continue, restore a good copy of a checkpoint as "
+            f"{root}/step-NNNNNNNN (the damaged ones are kept, the reasons are in "
+            f"{HISTORY_FILE}); to start over on purpose, pass --checkpoint.resume=false")
 
 
 def _flat(value: Any, prefix: str) -> dict[str, Any]:

@@ -78,6 +78,7 @@ def run_train(args: argparse.Namespace) -> int:
         restart_with_tuned_allocator(job.training.host_allocator, job.training.device, args.argv)
     check_job_inputs(job)
     from densetrain.checkpoint import CheckpointError
+    from densetrain.errors import UserError
     from densetrain.train import NonFiniteLossError, train
 
     try:
@@ -85,6 +86,8 @@ def run_train(args: argparse.Namespace) -> int:
     except NonFiniteLossError as err:
         print(f"densetrain train: error: {err}", file=sys.stderr)
         return 3
+    except UserError:  # a damaged checkpoint (CheckpointDamagedError too): exit 2 in cli/main
+        raise
     except CheckpointError as err:  # run dir locked, disk full, unwritable checkpoint
         print(f"densetrain train: error: {err}", file=sys.stderr)
         return 1
