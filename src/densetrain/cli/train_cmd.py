@@ -40,14 +40,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def check_job_inputs(job) -> None:
     """Refuse, before any work, a job whose inputs cannot work: a missing or damaged dataset,
-    a ``run_dir`` (or ``checkpoint.dir``) that is a file or cannot be written, a tokenizer whose
+    a ``run_dir`` or checkpoint directory (``checkpoint.dir``, by default
+    ``<run_dir>/checkpoints``) that is a file or cannot be written, a tokenizer whose
     vocabulary exceeds the model's."""
     from densetrain.config.run_dir import check_writable_dir
     from densetrain.data.checks import check_tokenizer_fits_model, data_vocabulary
+    from densetrain.errors import UserError
 
     check_writable_dir(job.logging.run_dir, field_name="logging.run_dir")
     if job.checkpoint.enabled and job.checkpoint.dir:
         check_writable_dir(job.checkpoint.dir, field_name="checkpoint.dir")
+    elif job.checkpoint.enabled:
+        default = os.path.join(job.logging.run_dir, "checkpoints")
+        if os.path.lexists(default) and not os.path.isdir(default):
+            raise UserError(
+                f"{default} exists and is not a directory, but this run's checkpoints go there "
+                "(checkpoint.dir is empty: <logging.run_dir>/checkpoints); move it away, or set "
+                "--checkpoint.dir to a directory"
+            )
+        if os.path.isdir(default):  # else created at the first save, in the run_dir just checked
+            check_writable_dir(default, field_name="checkpoint.dir (empty: "
+                                                   "<logging.run_dir>/checkpoints)")
     vocab = data_vocabulary(job.data)
     check_tokenizer_fits_model(vocab, job.build_model_config(vocab.vocab_size).vocab_size)
 
