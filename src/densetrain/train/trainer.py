@@ -32,6 +32,7 @@ from typing import Any
 
 from densetrain.checkpoint import load_checkpoint
 from densetrain.config.job import JobConfig
+from densetrain.errors import UserError, describe_error
 from densetrain.optim.interface import layout_of_saved_keys
 from densetrain.parallel.distributed import collective_step
 from densetrain.train.callbacks import Callback, Checkpointer, LossPlot, MetricsLogger, Sampler
@@ -265,12 +266,28 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
 def finished_run_summary(parts: RunParts, progress: Progress) -> dict[str, Any]:
     """The summary of a run resumed at or past its last step: the stored ``summary.json``
     (never rewritten: this process trained nothing) with ``already_finished`` set; rank 0
-    says so in one line."""
+    says so in one line.
+
+    A damaged ``summary.json`` (truncated, not JSON, not an object) does not block: it is
+    derived data, and the run's state is its checkpoint, which just verified. It is not
+    rewritten either: its numbers (loss, throughput, MFU, time) are those of the process that
+    trained the last step and cannot be recomputed from the checkpoint, so a rewrite would put
+    other, partly invented numbers under its name. The line says it is damaged and what it
+    lacks; the returned summary holds the checkpoint's step and tokens.
+    """
+    from densetrain.models.hf.files import read_json
+
     path = parts.run_dir / "summary.json"
     stored: dict[str, Any] = {}
+    note = "no summary.json was written by the run"
     if path.is_file():
-        stored = json.loads(path.read_text(encoding="utf-8"))
-    note = f"summary {path} kept" if stored else "no summary.json was written by the run"
+        try:
+            stored = read_json(path)
+            note = f"summary {path} kept"
+        except (UserError, OSError) as err:
+            note = (f"summary {path} is damaged and left as it is ({describe_error(err)}; "
+                    "derived data only: the checkpoint holds the run, metrics.jsonl its "
+                    "losses, and training further writes a new summary)")
     if parts.is_main:
         print(f"densetrain train: the run in {parts.run_dir} is already finished (step "
               f"{progress.step} of training.steps={parts.training.steps}); nothing trained, "
