@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from densetrain.checkpoint import ModelState, TrainerCounters, load_checkpoint
+from densetrain.checkpoint import CheckpointError, ModelState, TrainerCounters, load_checkpoint
 from densetrain.config.job import JobConfig
+from densetrain.errors import DamagedFileError, UserError, describe_error
 from densetrain.models.config import ModelConfig
 from densetrain.models.sizing import ParamCounts
 from densetrain.optim.interface import TrainingOptimizer
@@ -57,41 +58,64 @@ def _build_optimizer(model: LaidOutModel, pmesh: ParallelMesh, job: JobConfig
                                     lambda g: build_optimizer(g, job.optim), groups)
 
 
+INIT_SOURCES = ("a densetrain model directory (written by `densetrain convert --from-hf`), a "
+                "Hugging Face model directory (config.json with model_type), or a training "
+                "checkpoint (step-N, a directory of them, or a run directory)")
+"""What ``training.init_from`` accepts, for its messages."""
+
+
 def init_from(model: torch.nn.Module, source: str) -> None:
-    """Initial weights from a densetrain checkpoint or a Hugging Face model directory."""
+    """Initial weights from a densetrain model directory, a Hugging Face model directory or a
+    densetrain training checkpoint (told apart as ``densetrain eval`` does: a ``config.json``
+    with or without ``model_type``, else a complete checkpoint found by
+    `find_training_checkpoint`). Every bad source is a ``UserError`` (``DamagedFileError`` for
+    damaged files) naming ``training.init_from`` and the path."""
     from densetrain.checkpoint import find_training_checkpoint
+    from densetrain.models.hf.native import is_model_dir
 
     path = Path(source)
-    if (path / "config.json").is_file():
-        _init_from_hf(model, path)
-        return
-    found = find_training_checkpoint(path)
-    if found is None:
-        raise ValueError(
-            f"training.init_from={source!r} is neither a Hugging Face model directory (with "
-            "config.json) nor a complete densetrain checkpoint (or a directory holding one)"
-        )
-    load_checkpoint(found, {"model": ModelState(model)})
+    field = f"training.init_from={source!r}"
+    if not path.exists():
+        raise UserError(f"{field} does not exist; give {INIT_SOURCES}")
+    has_config = (path / "config.json").is_file()
+    found = None if has_config else find_training_checkpoint(path)
+    if not has_config and found is None:
+        raise UserError(f"{field} is not a model directory (no config.json) and holds no "
+                        f"complete training checkpoint; give {INIT_SOURCES}")
+    try:
+        if has_config:
+            _init_from_model_dir(model, path, native=is_model_dir(path))
+        else:
+            load_checkpoint(found, {"model": ModelState(model)})
+    except (CheckpointError, ValueError, OSError) as err:  # UserError, DamagedFileError too
+        kind = DamagedFileError if isinstance(err, DamagedFileError) else UserError
+        raise kind(f"{field}: {describe_error(err)}") from err
 
 
-def _init_from_hf(model: torch.nn.Module, path: Path) -> None:
+def _init_from_model_dir(model: torch.nn.Module, path: Path, *, native: bool) -> None:
+    """Copy the weights of a densetrain (``native``) or Hugging Face model directory into
+    ``model``, every tensor's name and shape checked first."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
         set_model_state_dict,
     )
 
-    from densetrain.models.hf import load_hf
+    from densetrain.models.hf import load_hf, load_model
 
-    source = load_hf(path, dtype=torch.float32).state_dict()
+    loaded = load_model(path, dtype=torch.float32) if native else load_hf(path,
+                                                                            dtype=torch.float32)
+    source = loaded.state_dict()
+    kind = "densetrain model" if native else "Hugging Face model"
     for name, value in get_model_state_dict(model).items():
         if name not in source:
-            raise ValueError(f"training.init_from={str(path)!r} has no tensor {name!r}")
+            raise UserError(f"{path} ({kind}) has no tensor {name!r}; set [model] to its "
+                            "architecture")
         if tuple(source[name].shape) != tuple(value.shape):
-            raise ValueError(
-                f"training.init_from={str(path)!r}: tensor {name!r} has shape "
-                f"{tuple(source[name].shape)} but the job's model expects {tuple(value.shape)}; "
-                "set [model] to the checkpoint's architecture"
+            raise UserError(
+                f"{path} ({kind}): tensor {name!r} has shape {tuple(source[name].shape)} but "
+                f"the job's model expects {tuple(value.shape)}; set [model] to the "
+                "checkpoint's architecture"
             )
     set_model_state_dict(model, source, options=StateDictOptions(full_state_dict=True))
 
