@@ -25,9 +25,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_goodput(args: argparse.Namespace) -> int:
     """Print the table and write the timeline."""
-    from densetrain.train.goodput import ledger_totals, read_ledger
+    from densetrain.errors import UserError
+    from densetrain.train.goodput import LEDGER_FILE, ledger_totals, read_ledger
 
     lines = read_ledger(args.run_dir)
+    if not lines:
+        raise UserError(f"{Path(args.run_dir) / LEDGER_FILE} holds no entries: no process of "
+                        "the run has finished an iteration yet, so there is no time to account")
     totals, wall = ledger_totals(lines)
     processes = len({e["process"] for e in lines})
     print(f"{args.run_dir}: {wall:.1f} s of wall time over {processes} process(es)")

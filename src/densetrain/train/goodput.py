@@ -20,11 +20,13 @@ here), ``down``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
 from typing import Any
 
+from densetrain.errors import UserError
 from densetrain.train.jsonl import drop_torn_tail, read_json_lines
 
 LEDGER_FILE = "goodput.jsonl"
@@ -33,10 +35,17 @@ BUCKETS = ("productive", "recomputed", "startup", "data", "checks", "evaluation"
 
 
 def read_ledger(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """The lines of ``<run_dir>/goodput.jsonl``: ``ValueError`` naming a bad line, except a torn
-    last one (its process was killed, or the disk filled, while writing it), which is left out:
-    the ledger then ends at that process's previous iteration."""
-    return _parse_ledger(Path(run_dir) / LEDGER_FILE)[0]
+    """The lines of ``<run_dir>/goodput.jsonl``: ``ValueError`` naming a bad line (`check_line`),
+    except a torn last one (its process was killed, or the disk filled, while writing it), which
+    is left out: the ledger then ends at that process's previous iteration. ``UserError`` when
+    ``run_dir`` is not a directory or holds no ledger."""
+    directory = Path(run_dir)
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"{directory} is a file; give the run's directory (its "
+                        f"logging.run_dir), which holds {LEDGER_FILE}")
+    if not directory.is_dir():
+        raise UserError(f"run directory {directory} does not exist")
+    return _parse_ledger(directory / LEDGER_FILE)[0]
 
 
 def _parse_ledger(path: Path) -> tuple[list[dict[str, Any]], int | None]:
@@ -44,11 +53,49 @@ def _parse_ledger(path: Path) -> tuple[list[dict[str, Any]], int | None]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: not a densetrain run directory, or "
                                 "the run predates the goodput ledger")
-    return read_json_lines(path, "goodput ledger line", _check_line)
+    return read_json_lines(path, "goodput ledger line", check_line)
 
 
-def _check_line(entry: dict[str, Any]) -> None:
-    float(entry["start"]), float(entry["end"]), dict(entry["buckets"])
+def _seconds(value: Any) -> float | None:
+    """``value`` as a finite float, or None when it is not a finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def check_line(entry: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming the field when ``entry`` is not a ledger line: ``process`` a
+    string; ``start`` and ``end`` finite times, ``start <= end``; ``step`` an integer >= 0;
+    ``buckets`` an object of `BUCKETS` names (``down`` is derived, never written) to finite
+    seconds >= 0."""
+    for name in ("process", "start", "end", "step", "buckets"):
+        if name not in entry:
+            raise ValueError(f"the field {name!r} is missing")
+    if not isinstance(entry["process"], str):
+        raise ValueError(f"field 'process' is {entry['process']!r}; it must be a string")
+    start, end = _seconds(entry["start"]), _seconds(entry["end"])
+    for name, value in (("start", start), ("end", end)):
+        if value is None:
+            raise ValueError(f"field {name!r} is {entry[name]!r}; it must be a finite time "
+                             "in seconds")
+    if end < start:
+        raise ValueError(f"field 'end' {end} is before 'start' {start}")
+    step = entry["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"field 'step' is {step!r}; it must be an integer >= 0")
+    buckets = entry["buckets"]
+    if not isinstance(buckets, dict):
+        raise ValueError(f"field 'buckets' is {buckets!r}; it must be an object of seconds "
+                         "per bucket")
+    written = [b for b in BUCKETS if b != "down"]
+    for bucket, value in buckets.items():
+        if bucket not in written:
+            raise ValueError(f"field 'buckets.{bucket}': no such bucket; the buckets are "
+                             f"{', '.join(written)}")
+        seconds = _seconds(value)
+        if seconds is None or seconds < 0:
+            raise ValueError(f"field 'buckets.{bucket}' is {value!r}; seconds must be a finite "
+                             "number >= 0")
 
 
 def high_water_step(lines: list[dict[str, Any]]) -> int:
