@@ -21,6 +21,7 @@ from typing import Any
 
 from densetrain.checkpoint import collective
 from densetrain.checkpoint.manager import CheckpointError
+from densetrain.errors import UserError
 
 LOCK_FILE = "densetrain.lock"
 
@@ -117,17 +118,29 @@ class RunLock:
 
 def acquire_run_lock(run_dir: str | os.PathLike) -> RunLock:
     """Rank 0 takes the lock of ``run_dir``; every rank raises `RunLockedError` when it is held
-    by another run (collective). Returns the lock (held on rank 0 only); call ``release()``."""
+    by another run (collective), and ``UserError`` when the lock file cannot be made (a
+    directory or other non-file in its place, an unwritable run directory). Returns the lock
+    (held on rank 0 only); call ``release()``."""
     lock = RunLock(run_dir)
     failure = None
     if collective.rank() == 0:
         try:
+            if lock.path.exists() and not lock.path.is_file():
+                kind = "a directory" if lock.path.is_dir() else "not a regular file"
+                raise UserError(
+                    f"{lock.path} is {kind}, but densetrain keeps its lock file there (one run "
+                    "per run directory); remove it, or give this run another logging.run_dir")
             lock.acquire()
-        except (RunLockedError, OSError) as err:
-            failure = str(err) if isinstance(err, RunLockedError) else (
-                f"cannot create the lock file {lock.path}: {err}")
-    failure = collective.first_error(failure)
-    if failure:
+        except RunLockedError as err:
+            failure = ("locked", str(err))
+        except UserError as err:
+            failure = ("unusable", str(err))
+        except OSError as err:
+            failure = ("unusable", f"cannot create the lock file {lock.path}: "
+                                   f"{err.strerror or err}")
+    failures = [f for f in collective.gather_all(failure) if f]
+    if failures:
         lock.release()
-        raise RunLockedError(failure)
+        kind, message = failures[0]
+        raise RunLockedError(message) if kind == "locked" else UserError(message)
     return lock
