@@ -5,6 +5,9 @@ Each value is checked against its dataclass annotation: ``int``, ``float``, ``bo
 are parsed: booleans as true/false/1/0/yes/no/on/off, lists as comma-separated items or a TOML
 literal (``[1, 2]``), tables as TOML inline tables (``{factor = 8.0}``), ``none``/``null`` as
 None where the annotation allows it. Errors are ``ValueError`` naming the field.
+
+``strict=True`` is for values read from JSON, which already carry their types: nothing is
+parsed from a string, so ``"4"`` is refused for an ``int`` and ``"false"`` for a ``bool``.
 """
 
 from __future__ import annotations
@@ -26,47 +29,78 @@ _FALSE = ("false", "0", "no", "off")
 _NONE = ("none", "null")
 
 
-def coerce(value: Any, annotation: Any, name: str) -> Any:
-    """Return ``value`` converted to ``annotation``; raise ``ValueError`` naming ``name``."""
+def coerce(value: Any, annotation: Any, name: str, *, strict: bool = False) -> Any:
+    """Return ``value`` converted to ``annotation``; raise ``ValueError`` naming ``name``.
+
+    ``strict`` parses no strings (values from JSON): each value must already have its type."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
-        return _coerce_optional(value, args, name)
+        return _coerce_optional(value, args, name, strict)
     if annotation is typing.Any:
         return value
+    if strict and isinstance(value, str) and annotation is not str:
+        raise ValueError(f"{name} expects {_kind(annotation, strict)}, got the string {value!r}")
     if annotation is bool:
         return _coerce_bool(value, name)
     if annotation is int:
         return _coerce_int(value, name)
     if annotation is float:
-        return _coerce_float(value, name)
+        number = _coerce_float(value, name)
+        if strict and not math.isfinite(number):
+            raise ValueError(f"{name} expects a finite number, got {value!r}")
+        return number
     if annotation is str:
-        return _coerce_str(value, name)
+        return value if strict and isinstance(value, str) else _coerce_str(value, name)
     if origin is list or annotation is list:
-        return _coerce_list(value, args[0] if args else typing.Any, name)
+        return _coerce_list(value, args[0] if args else typing.Any, name, strict)
     if origin is dict or annotation is dict:
-        return _coerce_dict(value, name)
+        return _coerce_dict(value, name, strict)
     if dataclasses.is_dataclass(annotation):
-        return coerce_dataclass(_coerce_dict(value, name), annotation, name)
+        return coerce_dataclass(_coerce_dict(value, name, strict), annotation, name,
+                                strict=strict)
     raise TypeError(f"{name}: unsupported config annotation {annotation!r}")
 
 
-def coerce_dataclass(data: dict, cls: type, name: str) -> Any:
-    """Build dataclass ``cls`` from ``data``; unknown keys raise with close-match suggestions."""
+def _kind(annotation: Any, strict: bool) -> str:
+    """What a value of ``annotation`` is called in messages."""
+    if annotation is bool:
+        return "a boolean (true/false)"
+    if annotation is int:
+        return "an integer"
+    if annotation is float:
+        return "a number"
+    if annotation is list or typing.get_origin(annotation) is list:
+        return "a list"
+    return "an object ({...})" if strict else "a table (e.g. {key = 1})"
+
+
+def coerce_dataclass(data: dict, cls: type, name: str, *, strict: bool = False) -> Any:
+    """Build dataclass ``cls`` from ``data``; unknown keys raise with close-match suggestions.
+
+    ``name`` prefixes the field names in messages (``model.dim``); an empty ``name`` names the
+    fields alone (a file holding one dataclass's fields at its top level). ``strict``: see
+    ``coerce``."""
     hints = typing.get_type_hints(cls)
     known = [f.name for f in dataclasses.fields(cls) if f.init]
+    where = f"[{name}]" if name else cls.__name__
     kwargs = {}
     for key, value in data.items():
         if key not in known:
-            raise ValueError(unknown_key_message(f"{name}.{key}", key, known, f"[{name}]"))
-        kwargs[key] = coerce(value, hints[key], f"{name}.{key}")
+            raise ValueError(unknown_key_message(_join(name, key), key, known, where))
+        kwargs[key] = coerce(value, hints[key], _join(name, key), strict=strict)
     missing = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in kwargs
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
-        raise ValueError(f"[{name}] misses required field(s) {', '.join(missing)}")
+        raise ValueError(f"[{name}] misses required field(s) {', '.join(missing)}" if name else
+                         f"required {cls.__name__} field(s) {', '.join(missing)} missing")
     try:
         return cls(**kwargs)
     except TypeError as error:  # a constructor that refuses the fields' combination
-        raise ValueError(f"{name}: {error}") from None
+        raise ValueError(f"{name or cls.__name__}: {error}") from None
+
+
+def _join(name: str, key: str) -> str:
+    return f"{name}.{key}" if name else key
 
 
 def unknown_key_message(full_name: str, key: str, known: list[str], where: str) -> str:
@@ -76,14 +110,15 @@ def unknown_key_message(full_name: str, key: str, known: list[str], where: str) 
     return f"unknown key {full_name!r} in {where}{hint} (allowed: {', '.join(known)})"
 
 
-def _coerce_optional(value: Any, args: tuple, name: str) -> Any:
+def _coerce_optional(value: Any, args: tuple, name: str, strict: bool = False) -> Any:
     non_none = [a for a in args if a is not type(None)]
-    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE):
+    if value is None or (not strict and isinstance(value, str)
+                         and value.strip().lower() in _NONE):
         return None
     errors = []
     for arg in non_none:
         try:
-            return coerce(value, arg, name)
+            return coerce(value, arg, name, strict=strict)
         except ValueError as error:
             errors.append(str(error))
     raise ValueError(errors[0] if len(errors) == 1 else f"{name}: {'; '.join(errors)}")
@@ -135,7 +170,7 @@ def _coerce_str(value: Any, name: str) -> str:
     raise ValueError(f"{name} expects a string, got {value!r}")
 
 
-def _coerce_list(value: Any, item_type: Any, name: str) -> list:
+def _coerce_list(value: Any, item_type: Any, name: str, strict: bool = False) -> list:
     if isinstance(value, str):
         text = value.strip()
         if text.startswith("["):
@@ -144,16 +179,17 @@ def _coerce_list(value: Any, item_type: Any, name: str) -> list:
             value = [item.strip() for item in text.split(",")] if text else []
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"{name} expects a list, got {value!r}")
-    return [coerce(item, item_type, f"{name}[{i}]") for i, item in enumerate(value)]
+    return [coerce(item, item_type, f"{name}[{i}]", strict=strict)
+            for i, item in enumerate(value)]
 
 
-def _coerce_dict(value: Any, name: str) -> dict:
-    if isinstance(value, str) and value.strip().startswith("{"):
+def _coerce_dict(value: Any, name: str, strict: bool = False) -> dict:
+    if not strict and isinstance(value, str) and value.strip().startswith("{"):
         value = _toml_literal(value.strip(), name)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     if not isinstance(value, dict):
-        raise ValueError(f"{name} expects a table (e.g. {{key = 1}}), got {value!r}")
+        raise ValueError(f"{name} expects {_kind(dict, strict)}, got {value!r}")
     return dict(value)
 
 

@@ -271,13 +271,25 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> ModelConfig:
-        """Build from ``to_dict`` output; unknown keys raise ``ValueError`` naming them."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown ModelConfig fields {unknown}; allowed: {sorted(names)}")
-        return cls(**data)
+    def from_dict(cls, data: dict, *, source: str | None = None) -> ModelConfig:
+        """Build from ``to_dict`` output (e.g. a model directory's ``config.json``).
+
+        Every key is checked: required fields present, no unknown keys (with close matches),
+        each value of its field's JSON type (no strings parsed as numbers; ``rope_scaling`` an
+        object of its own fields or null), then the ranges of ``validate``. ``UserError``
+        (a ``ValueError``) names the field, prefixed with ``source`` (the file) when given.
+        """
+        from densetrain.config.coerce import coerce_dataclass
+        from densetrain.errors import UserError
+
+        where = f"{source}: " if source else ""
+        if not isinstance(data, dict):
+            raise UserError(f"{where}expected an object of ModelConfig fields, got a "
+                            f"{type(data).__name__}")
+        try:
+            return coerce_dataclass(data, cls, "", strict=True)
+        except ValueError as error:
+            raise UserError(f"{where}{error}") from None
 
 
 def _check_relative_xl(cfg: ModelConfig) -> None:
