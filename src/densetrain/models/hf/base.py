@@ -10,8 +10,10 @@ to densetrain's (docs/architecture.md). Most tensors are plain renames, given by
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,6 +46,82 @@ def layernorm_mha_fields(cfg: ModelConfig) -> dict[str, object]:
     }
 
 
+# ----------------------------------------------------------------- typed config.json reads
+# Each reads one key of a Hugging Face config.json dict and checks its JSON type (and range), so
+# that an error names the Hugging Face key, not the densetrain field it becomes. ``key`` may be
+# a tuple of aliases (the first present one is read). A key without ``default`` is required
+# (``KeyError`` naming it); ``default=None`` makes it optional, absent or null.
+_REQUIRED: Any = object()
+
+# The densetrain fields most adapters read from the same Hugging Face keys (see ``hf_keys``).
+STANDARD_HF_KEYS = {
+    "dim": "hidden_size", "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads", "ffn_dim": "intermediate_size",
+    "max_seq_len": "max_position_embeddings", "tie_embeddings": "tie_word_embeddings",
+    "rotary_fraction": "partial_rotary_factor",
+}
+
+
+def _lookup(hf: dict, key: str | tuple[str, ...], default: Any) -> tuple[str, Any, bool]:
+    """(the key read, its value, whether to use the default instead)."""
+    keys = (key,) if isinstance(key, str) else key
+    present = [k for k in keys if k in hf]
+    chosen = next((k for k in present if hf[k] is not None), present[0] if present else None)
+    if chosen is None:
+        if default is _REQUIRED:
+            raise KeyError(keys[0])
+        return keys[0], default, True
+    if hf[chosen] is None and default is None:
+        return chosen, None, True
+    return chosen, hf[chosen], False
+
+
+def hf_int(hf: dict, key: str | tuple[str, ...], default: Any = _REQUIRED, *,
+           minimum: int = 1) -> Any:
+    """``hf[key]``: a JSON integer >= ``minimum``; ``ValueError`` naming the key otherwise."""
+    name, value, use_default = _lookup(hf, key, default)
+    if use_default:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"config.json {name} must be {wanted}, got {value!r}")
+    return value
+
+
+def hf_float(hf: dict, key: str | tuple[str, ...], default: Any = _REQUIRED, *,
+             positive: bool = True) -> Any:
+    """``hf[key]`` as a float: a finite JSON number (> 0 when ``positive``)."""
+    name, value, use_default = _lookup(hf, key, default)
+    if use_default:
+        return value
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or (positive and value <= 0)):
+        wanted = "a number > 0" if positive else "a finite number"
+        raise ValueError(f"config.json {name} must be {wanted}, got {value!r}")
+    return float(value)
+
+
+def hf_bool(hf: dict, key: str | tuple[str, ...], default: Any = _REQUIRED) -> Any:
+    """``hf[key]``: a JSON boolean (``true``/``false``, not a string or a number)."""
+    name, value, use_default = _lookup(hf, key, default)
+    if use_default:
+        return value
+    if not isinstance(value, bool):
+        raise ValueError(f"config.json {name} must be true or false (a JSON boolean), "
+                         f"got {value!r}")
+    return value
+
+
+def hf_str(hf: dict, key: str | tuple[str, ...], default: Any = _REQUIRED) -> Any:
+    """``hf[key]``: a JSON string."""
+    name, value, use_default = _lookup(hf, key, default)
+    if use_default:
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"config.json {name} must be a string, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class Pair:
     """One tensor that is a plain rename (optionally transposed) between the two layouts."""
@@ -62,6 +140,9 @@ class HFAdapter:
     """Prefix of every non-head tensor (``model.``, ``transformer.`` ...)."""
     ignored_patterns: tuple[str, ...] = ()
     """Regexes of checkpoint entries that are buffers, not weights (skipped on import)."""
+    hf_keys: dict[str, str] = STANDARD_HF_KEYS
+    """The ``config.json`` key each differently named ``ModelConfig`` field is read from (named
+    beside a ``ModelConfig`` error, which uses densetrain's names)."""
 
     # ----------------------------------------------------------------- config
     def config_from_hf(self, hf: dict) -> ModelConfig:
@@ -208,22 +289,41 @@ def pad_vocab(state: Tensors, cfg: ModelConfig) -> Tensors:
 def rope_from_hf(hf: dict) -> dict:
     """RoPE fields (theta, rotary fraction, Llama 3.1 scaling) from either config style:
     ``rope_parameters`` (transformers >= 5) or ``rope_theta`` + ``rope_scaling`` (4.x)."""
-    params = dict(hf.get("rope_scaling") or {})
-    params.update(hf.get("rope_parameters") or {})
-    theta = params.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
-    fields: dict = {"rope_theta": float(theta)}
-    fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    if fraction is None:
-        fraction = hf.get("rotary_pct")
+    nested: dict[str, tuple[str, Any]] = {}  # key -> (qualified name, value)
+    for section in ("rope_scaling", "rope_parameters"):  # 5.x's rope_parameters wins
+        value = hf.get(section)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ValueError(f"config.json {section} must be an object or null, got {value!r}")
+        nested.update({key: (f"{section}.{key}", item) for key, item in value.items()})
+    flat = {name: item for name, item in nested.values()}
+
+    def read(reader, key: str, top_level: str | tuple[str, ...], default: Any) -> Any:
+        if key in nested:
+            return reader(flat, nested[key][0], default)
+        return reader(hf, top_level, default)
+
+    fields: dict = {
+        "rope_theta": read(hf_float, "rope_theta", ("rope_theta", "rotary_emb_base"), 10000.0)
+    }
+    fraction = read(hf_float, "partial_rotary_factor", ("partial_rotary_factor", "rotary_pct"),
+                    None)
     if fraction is not None:
-        fields["rotary_fraction"] = float(fraction)
-    rope_type = params.get("rope_type", params.get("type", "default"))
+        fields["rotary_fraction"] = fraction
+    type_key = "rope_type" if "rope_type" in nested or "type" not in nested else "type"
+    rope_type = read(hf_str, type_key, "rope_type", "default")
     if rope_type == "llama3":
+        section = nested[type_key][0].split(".")[0] if type_key in nested else "rope_scaling"
+
+        def need(reader, key: str) -> Any:
+            return reader(flat, nested[key][0]) if key in nested else reader({}, f"{section}.{key}")
+
         fields["rope_scaling"] = {
-            "factor": float(params["factor"]),
-            "low_freq_factor": float(params["low_freq_factor"]),
-            "high_freq_factor": float(params["high_freq_factor"]),
-            "original_max_seq_len": int(params["original_max_position_embeddings"]),
+            "factor": need(hf_float, "factor"),
+            "low_freq_factor": need(hf_float, "low_freq_factor"),
+            "high_freq_factor": need(hf_float, "high_freq_factor"),
+            "original_max_seq_len": need(hf_int, "original_max_position_embeddings"),
         }
     elif rope_type != "default":
         raise ValueError(
@@ -253,7 +353,7 @@ def rope_to_hf(cfg: ModelConfig, *, with_fraction: bool = False) -> dict:
 
 def activation_from_hf(name: str, field: str) -> str:
     """densetrain activation of HF activation ``name``; ``ValueError`` naming ``field``."""
-    if name not in HF_ACTIVATIONS:
+    if not isinstance(name, str) or name not in HF_ACTIVATIONS:
         raise ValueError(
             f"config.json {field}={name!r} is not supported; allowed: {sorted(HF_ACTIVATIONS)}"
         )

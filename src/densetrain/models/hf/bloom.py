@@ -11,6 +11,9 @@ from densetrain.models.hf.base import (
     HFAdapter,
     Pair,
     Tensors,
+    hf_bool,
+    hf_float,
+    hf_int,
     layer_prefixes,
     layernorm_mha_fields,
     linear_pairs,
@@ -25,23 +28,26 @@ class BloomAdapter(HFAdapter):
     model_type = "bloom"
     architecture = "BloomForCausalLM"
     base_prefix = "transformer."
+    hf_keys = {"dim": "hidden_size", "num_layers": "n_layer", "num_heads": "n_head",
+               "max_seq_len": "seq_length", "norm_eps": "layer_norm_epsilon",
+               "tie_embeddings": "tie_word_embeddings"}
 
     def config_from_hf(self, hf: dict) -> ModelConfig:
         """``ModelConfig`` of a BLOOM ``config.json``."""
-        if hf.get("apply_residual_connection_post_layernorm", False):
+        if hf_bool(hf, "apply_residual_connection_post_layernorm", False):
             raise ValueError(
                 "config.json apply_residual_connection_post_layernorm=true is not supported"
             )
-        dim = hf.get("hidden_size", hf.get("n_embed"))
+        dim = hf_int(hf, ("hidden_size", "n_embed"))
         return ModelConfig(
-            vocab_size=hf["vocab_size"],
+            vocab_size=hf_int(hf, "vocab_size"),
             dim=dim,
-            num_layers=hf.get("n_layer", hf.get("num_hidden_layers")),
-            num_heads=hf.get("n_head", hf.get("num_attention_heads")),
+            num_layers=hf_int(hf, ("n_layer", "num_hidden_layers")),
+            num_heads=hf_int(hf, ("n_head", "num_attention_heads")),
             ffn_dim=4 * dim,
-            max_seq_len=hf.get("seq_length", 2048),
+            max_seq_len=hf_int(hf, "seq_length", 2048),
             norm_type="layernorm",
-            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            norm_eps=hf_float(hf, "layer_norm_epsilon", 1e-5),
             norm_bias=True,
             embedding_norm=True,
             position_embedding="alibi",
@@ -49,7 +55,7 @@ class BloomAdapter(HFAdapter):
             attn_out_bias=True,
             activation="gelu_tanh",
             mlp_bias=True,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            tie_embeddings=hf_bool(hf, "tie_word_embeddings", True),
             extra={"family": "bloom", "hf_family": "bloom"},
         )
 

@@ -16,6 +16,10 @@ from densetrain.models.hf.base import (
     Tensors,
     activation_from_hf,
     activation_to_hf,
+    hf_bool,
+    hf_float,
+    hf_int,
+    hf_str,
     layer_prefixes,
     layernorm_mha_fields,
     linear_pairs,
@@ -30,32 +34,35 @@ class GPT2Adapter(HFAdapter):
     architecture = "GPT2LMHeadModel"
     base_prefix = "transformer."
     ignored_patterns = (r"\.attn\.bias$", r"\.attn\.masked_bias$")
+    hf_keys = {"dim": "n_embd", "num_layers": "n_layer", "num_heads": "n_head",
+               "ffn_dim": "n_inner", "max_seq_len": "n_positions",
+               "norm_eps": "layer_norm_epsilon", "tie_embeddings": "tie_word_embeddings"}
 
     def config_from_hf(self, hf: dict) -> ModelConfig:
         """``ModelConfig`` of a GPT-2 ``config.json``."""
-        if hf.get("scale_attn_by_inverse_layer_idx", False):
+        if hf_bool(hf, "scale_attn_by_inverse_layer_idx", False):
             raise ValueError("config.json scale_attn_by_inverse_layer_idx=true is not supported")
-        if not hf.get("scale_attn_weights", True):
+        if not hf_bool(hf, "scale_attn_weights", True):
             raise ValueError("config.json scale_attn_weights=false is not supported")
-        dim = hf["n_embd"]
+        dim = hf_int(hf, "n_embd")
         return ModelConfig(
-            vocab_size=hf["vocab_size"],
+            vocab_size=hf_int(hf, "vocab_size"),
             dim=dim,
-            num_layers=hf["n_layer"],
-            num_heads=hf["n_head"],
-            ffn_dim=hf.get("n_inner") or 4 * dim,
-            max_seq_len=hf.get("n_positions", 1024),
+            num_layers=hf_int(hf, "n_layer"),
+            num_heads=hf_int(hf, "n_head"),
+            ffn_dim=hf_int(hf, "n_inner", None) or 4 * dim,
+            max_seq_len=hf_int(hf, "n_positions", 1024),
             norm_type="layernorm",
-            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            norm_eps=hf_float(hf, "layer_norm_epsilon", 1e-5),
             norm_bias=True,
             position_embedding="learned",
             qkv_bias=True,
             attn_out_bias=True,
             activation=activation_from_hf(
-                hf.get("activation_function", "gelu_new"), "activation_function"
+                hf_str(hf, "activation_function", "gelu_new"), "activation_function"
             ),
             mlp_bias=True,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            tie_embeddings=hf_bool(hf, "tie_word_embeddings", True),
             extra={"family": "gpt2", "hf_family": "gpt2"},
         )
 

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from densetrain.models.config import ModelConfig
 from densetrain.models.hf.base import (
+    STANDARD_HF_KEYS,
     HFAdapter,
     Pair,
+    hf_bool,
+    hf_float,
+    hf_int,
+    hf_str,
     layer_prefixes,
     linear_pairs,
     rope_from_hf,
@@ -25,36 +30,38 @@ class LlamaAdapter(HFAdapter):
     architecture = "LlamaForCausalLM"
     base_prefix = "model."
     ignored_patterns = (r"rotary_emb\.inv_freq$",)
+    hf_keys = {**STANDARD_HF_KEYS, "norm_eps": "rms_norm_eps"}
     tie_default = False
 
     def config_from_hf(self, hf: dict) -> ModelConfig:
         """``ModelConfig`` of a LLaMA-family ``config.json``."""
-        if hf.get("hidden_act", "silu") != "silu":
+        if hf_str(hf, "hidden_act", "silu") != "silu":
             raise ValueError(
                 f"config.json hidden_act={hf['hidden_act']!r} is not supported for "
                 f"{self.model_type}; allowed: 'silu' (SwiGLU)"
             )
-        heads = hf["num_attention_heads"]
-        attention_bias = bool(hf.get("attention_bias", False))
+        dim = hf_int(hf, "hidden_size")
+        heads = hf_int(hf, "num_attention_heads")
+        attention_bias = hf_bool(hf, "attention_bias", False)
         return ModelConfig(
-            vocab_size=hf["vocab_size"],
-            dim=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
+            vocab_size=hf_int(hf, "vocab_size"),
+            dim=dim,
+            num_layers=hf_int(hf, "num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            ffn_dim=hf["intermediate_size"],
-            max_seq_len=hf.get("max_position_embeddings", 2048),
+            num_kv_heads=hf_int(hf, "num_key_value_heads", None) or heads,
+            head_dim=hf_int(hf, "head_dim", None) or dim // heads,
+            ffn_dim=hf_int(hf, "intermediate_size"),
+            max_seq_len=hf_int(hf, "max_position_embeddings", 2048),
             norm_type="rmsnorm",
-            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            norm_eps=hf_float(hf, "rms_norm_eps", 1e-6),
             position_embedding="rope",
             qkv_bias=attention_bias,
             attn_out_bias=attention_bias,
             qk_norm=self.model_type == "qwen3",
             sliding_window=self._window_from_hf(hf),
             activation="swiglu",
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", self.tie_default)),
+            mlp_bias=hf_bool(hf, "mlp_bias", False),
+            tie_embeddings=hf_bool(hf, "tie_word_embeddings", self.tie_default),
             extra={"family": self.model_type, "hf_family": self.model_type},
             **rope_from_hf(hf),
         )
@@ -132,7 +139,7 @@ class MistralAdapter(LlamaAdapter):
     architecture = "MistralForCausalLM"
 
     def _window_from_hf(self, hf: dict) -> int | None:
-        return hf.get("sliding_window")
+        return hf_int(hf, "sliding_window", None)
 
     def required_fields(self, cfg: ModelConfig) -> dict[str, object]:
         """Mistral: no attention or MLP biases; any sliding window."""
@@ -151,15 +158,18 @@ class Qwen3Adapter(LlamaAdapter):
     architecture = "Qwen3ForCausalLM"
 
     def _window_from_hf(self, hf: dict) -> int | None:
-        if not hf.get("use_sliding_window", False):
+        if not hf_bool(hf, "use_sliding_window", False):
             return None
         layer_types = hf.get("layer_types") or []
+        if not isinstance(layer_types, list):
+            raise ValueError(f"config.json layer_types must be a list of attention types, got "
+                             f"{layer_types!r}")
         if any(t != "sliding_attention" for t in layer_types):
             raise ValueError(
                 "config.json layer_types mixes full and sliding attention; only one attention "
                 "type for all layers is supported"
             )
-        return hf.get("sliding_window")
+        return hf_int(hf, "sliding_window", None)
 
     def required_fields(self, cfg: ModelConfig) -> dict[str, object]:
         """Qwen3: no MLP biases; any sliding window (applied to every layer)."""

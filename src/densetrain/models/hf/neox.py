@@ -9,12 +9,17 @@ from __future__ import annotations
 
 from densetrain.models.config import ModelConfig
 from densetrain.models.hf.base import (
+    STANDARD_HF_KEYS,
     HFAdapter,
     Pair,
     Tensors,
     activation_from_hf,
     activation_to_hf,
     fuse_heads,
+    hf_bool,
+    hf_float,
+    hf_int,
+    hf_str,
     layer_prefixes,
     layernorm_mha_fields,
     linear_pairs,
@@ -36,29 +41,31 @@ class NeoXAdapter(HFAdapter):
         r"attention\.masked_bias$",
         r"rotary_emb\.inv_freq$",
     )
+    hf_keys = {**STANDARD_HF_KEYS, "norm_eps": "layer_norm_eps", "rotary_fraction": "rotary_pct",
+               "block_type": "use_parallel_residual"}
 
     def config_from_hf(self, hf: dict) -> ModelConfig:
         """``ModelConfig`` of a GPT-NeoX ``config.json``."""
-        parallel = bool(hf.get("use_parallel_residual", True))
-        bias = bool(hf.get("attention_bias", True))
+        parallel = hf_bool(hf, "use_parallel_residual", True)
+        bias = hf_bool(hf, "attention_bias", True)
         rope = {"rotary_fraction": 0.25, **rope_from_hf(hf)}
         return ModelConfig(
-            vocab_size=hf["vocab_size"],
-            dim=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=hf["num_attention_heads"],
-            ffn_dim=hf["intermediate_size"],
-            max_seq_len=hf.get("max_position_embeddings", 2048),
+            vocab_size=hf_int(hf, "vocab_size"),
+            dim=hf_int(hf, "hidden_size"),
+            num_layers=hf_int(hf, "num_hidden_layers"),
+            num_heads=hf_int(hf, "num_attention_heads"),
+            ffn_dim=hf_int(hf, "intermediate_size"),
+            max_seq_len=hf_int(hf, "max_position_embeddings", 2048),
             norm_type="layernorm",
-            norm_eps=hf.get("layer_norm_eps", 1e-5),
+            norm_eps=hf_float(hf, "layer_norm_eps", 1e-5),
             norm_bias=True,
             position_embedding="rope",
             qkv_bias=bias,
             attn_out_bias=bias,
-            activation=activation_from_hf(hf.get("hidden_act", "gelu"), "hidden_act"),
+            activation=activation_from_hf(hf_str(hf, "hidden_act", "gelu"), "hidden_act"),
             mlp_bias=True,
             block_type="parallel" if parallel else "sequential",
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_embeddings=hf_bool(hf, "tie_word_embeddings", False),
             extra={"family": "gpt_neox", "hf_family": "gpt_neox"},
             **rope,
         )

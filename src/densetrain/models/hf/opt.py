@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from densetrain.models.config import ModelConfig
 from densetrain.models.hf.base import (
+    STANDARD_HF_KEYS,
     HFAdapter,
     Pair,
     activation_from_hf,
     activation_to_hf,
+    hf_bool,
+    hf_int,
+    hf_str,
     layer_prefixes,
     layernorm_mha_fields,
     linear_pairs,
@@ -29,36 +33,38 @@ class OPTAdapter(HFAdapter):
     model_type = "opt"
     architecture = "OPTForCausalLM"
     base_prefix = "model.decoder."
+    hf_keys = {**STANDARD_HF_KEYS, "ffn_dim": "ffn_dim", "embed_dim": "word_embed_proj_dim",
+               "norm_position": "do_layer_norm_before"}
 
     def config_from_hf(self, hf: dict) -> ModelConfig:
         """``ModelConfig`` of an OPT ``config.json``."""
-        if not hf.get("layer_norm_elementwise_affine", True):
+        if not hf_bool(hf, "layer_norm_elementwise_affine", True):
             raise ValueError("config.json layer_norm_elementwise_affine=false is not supported")
-        pre_norm = bool(hf.get("do_layer_norm_before", True))
-        bias = bool(hf.get("enable_bias", True))
-        dim = hf["hidden_size"]
+        pre_norm = hf_bool(hf, "do_layer_norm_before", True)
+        bias = hf_bool(hf, "enable_bias", True)
+        dim = hf_int(hf, "hidden_size")
         return ModelConfig(
-            vocab_size=hf["vocab_size"],
+            vocab_size=hf_int(hf, "vocab_size"),
             dim=dim,
-            num_layers=hf["num_hidden_layers"],
-            num_heads=hf["num_attention_heads"],
-            ffn_dim=hf["ffn_dim"],
-            max_seq_len=hf.get("max_position_embeddings", 2048),
-            embed_dim=hf.get("word_embed_proj_dim") or dim,
+            num_layers=hf_int(hf, "num_hidden_layers"),
+            num_heads=hf_int(hf, "num_attention_heads"),
+            ffn_dim=hf_int(hf, "ffn_dim"),
+            max_seq_len=hf_int(hf, "max_position_embeddings", 2048),
+            embed_dim=hf_int(hf, "word_embed_proj_dim", None) or dim,
             norm_type="layernorm",
             norm_eps=1e-5,
             norm_bias=True,
             norm_position="pre" if pre_norm else "post",
-            final_norm=pre_norm and not hf.get("_remove_final_layer_norm", False),
+            final_norm=pre_norm and not hf_bool(hf, "_remove_final_layer_norm", False),
             position_embedding="learned",
             learned_pos_offset=OPT_POSITION_OFFSET,
             qkv_bias=bias,
             attn_out_bias=bias,
             activation=activation_from_hf(
-                hf.get("activation_function", "relu"), "activation_function"
+                hf_str(hf, "activation_function", "relu"), "activation_function"
             ),
             mlp_bias=bias,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            tie_embeddings=hf_bool(hf, "tie_word_embeddings", True),
             extra={"family": "opt", "hf_family": "opt"},
         )
 

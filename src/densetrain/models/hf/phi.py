@@ -8,10 +8,15 @@ from __future__ import annotations
 
 from densetrain.models.config import ModelConfig
 from densetrain.models.hf.base import (
+    STANDARD_HF_KEYS,
     HFAdapter,
     Pair,
     activation_from_hf,
     activation_to_hf,
+    hf_bool,
+    hf_float,
+    hf_int,
+    hf_str,
     layer_prefixes,
     layernorm_mha_fields,
     linear_pairs,
@@ -28,31 +33,32 @@ class PhiAdapter(HFAdapter):
     architecture = "PhiForCausalLM"
     base_prefix = "model."
     ignored_patterns = (r"rotary_emb\.inv_freq$",)
+    hf_keys = {**STANDARD_HF_KEYS, "norm_eps": "layer_norm_eps"}
 
     def config_from_hf(self, hf: dict) -> ModelConfig:
         """``ModelConfig`` of a phi ``config.json``."""
-        if hf.get("qk_layernorm", False):
+        if hf_bool(hf, "qk_layernorm", False):
             raise ValueError("config.json qk_layernorm=true is not supported for phi")
-        heads = hf["num_attention_heads"]
+        heads = hf_int(hf, "num_attention_heads")
         return ModelConfig(
-            vocab_size=hf["vocab_size"],
-            dim=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
+            vocab_size=hf_int(hf, "vocab_size"),
+            dim=hf_int(hf, "hidden_size"),
+            num_layers=hf_int(hf, "num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            ffn_dim=hf["intermediate_size"],
-            max_seq_len=hf.get("max_position_embeddings", 2048),
+            num_kv_heads=hf_int(hf, "num_key_value_heads", None) or heads,
+            ffn_dim=hf_int(hf, "intermediate_size"),
+            max_seq_len=hf_int(hf, "max_position_embeddings", 2048),
             norm_type="layernorm",
-            norm_eps=hf.get("layer_norm_eps", 1e-5),
+            norm_eps=hf_float(hf, "layer_norm_eps", 1e-5),
             norm_bias=True,
             position_embedding="rope",
             qkv_bias=True,
             attn_out_bias=True,
-            activation=activation_from_hf(hf.get("hidden_act", "gelu_new"), "hidden_act"),
+            activation=activation_from_hf(hf_str(hf, "hidden_act", "gelu_new"), "hidden_act"),
             mlp_bias=True,
             block_type="parallel",
             parallel_shared_norm=True,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_embeddings=hf_bool(hf, "tie_word_embeddings", False),
             lm_head_bias=True,
             extra={"family": "phi", "hf_family": "phi"},
             **{"rotary_fraction": 0.5, **rope_from_hf(hf)},
