@@ -69,17 +69,31 @@ def check_finite(tensors: dict[str, torch.Tensor], source: Path) -> None:
 
 
 def checkpoint_files(directory: Path) -> dict[str, Path]:
-    """Map each tensor name to the safetensors file holding it (via the index when sharded)."""
+    """Map each tensor name to the safetensors file holding it (via the index when sharded).
+
+    The index's ``weight_map`` values must be plain file names in ``directory``: a path that
+    would read a file elsewhere (``../x``, ``/abs``) is refused, naming the index and the key.
+    """
     index_path = directory / INDEX_FILE
     if index_path.is_file():
         index = read_json(index_path)
         if not isinstance(index.get("weight_map"), dict):
             raise UserError(f"{index_path} has no 'weight_map' object (tensor name -> file)")
-        weight_map = index["weight_map"]
-        files = {name: directory / file for name, file in weight_map.items()}
-        for path in set(files.values()):
+        files = {}
+        for name, file in index["weight_map"].items():
+            if (not isinstance(file, str) or not file or "/" in file or "\\" in file
+                    or file in (".", "..") or Path(file).name != file):
+                raise UserError(
+                    f"{index_path}: weight_map[{name!r}] is {file!r}; each value must be the "
+                    "plain name of a safetensors file in the same directory (no path "
+                    "separators or '..')"
+                )
+            files[name] = directory / file
+        for path in sorted(set(files.values())):
             if not path.is_file():
-                raise ValueError(f"{index_path} names shard {path.name}, which does not exist")
+                name = min(n for n, p in files.items() if p == path)
+                raise UserError(f"{index_path}: weight_map[{name!r}] names shard {path.name}, "
+                                f"which does not exist in {directory}")
         return files
     single = directory / SINGLE_FILE
     if single.is_file():
