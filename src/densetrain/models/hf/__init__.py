@@ -11,20 +11,24 @@ from densetrain.models.hf.interop import (
     config_to_hf,
     get_adapter,
     load_hf,
+    read_hf_config,
     save_hf,
 )
-from densetrain.models.hf.native import load_model, save_model
+from densetrain.models.hf.native import check_model_dir, load_model, read_model_config, save_model
 from densetrain.models.hf.shapes import dt_param_shapes
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "build_transformers_model",
+    "check_model_dir",
     "config_from_hf",
     "config_to_hf",
     "dt_param_shapes",
     "get_adapter",
     "load_hf",
     "load_model",
+    "read_hf_config",
+    "read_model_config",
     "save_hf",
     "save_model",
 ]

@@ -106,15 +106,48 @@ def checkpoint_files(directory: Path) -> dict[str, Path]:
     )
 
 
-def tensor_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
-    """Shapes of every tensor, read from the file headers only (no tensor data)."""
-    shapes: dict[str, tuple[int, ...]] = {}
+def tensor_specs(files: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Shape and safetensors dtype code (``F32``, ``BF16``, ...) of every tensor, read from the
+    file headers only (no tensor data)."""
+    specs: dict[str, tuple[tuple[int, ...], str]] = {}
     for path in sorted(set(files.values())):
         with open_safetensors(path) as handle:
             for name in handle.keys():
                 if files.get(name) == path:
-                    shapes[name] = tuple(handle.get_slice(name).get_shape())
-    return shapes
+                    meta = handle.get_slice(name)
+                    specs[name] = (tuple(meta.get_shape()), meta.get_dtype())
+    return specs
+
+
+def tensor_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """Shapes of every tensor, read from the file headers only (no tensor data)."""
+    return {name: shape for name, (shape, _) in tensor_specs(files).items()}
+
+
+_WEIGHT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                  "BF16": torch.bfloat16}
+
+
+def weight_dtype(dtypes: dict[str, str], source: Path) -> torch.dtype:
+    """The one dtype a model is loaded in, from the safetensors dtype code of each weight.
+
+    Every weight must be floating point (F32, F16, BF16 or F64): ``UserError`` names the first
+    that is not. Weights of one dtype keep it; mixed floating dtypes (e.g. bf16 weights beside
+    fp32 norms) are all loaded as the widest of them, which loses nothing (F16 with BF16 gives
+    F32).
+    """
+    for name, code in sorted(dtypes.items()):
+        if code not in _WEIGHT_DTYPES:
+            raise UserError(
+                f"{source}: tensor {name!r} is stored as {code}; model weights must be floating "
+                f"point ({', '.join(_WEIGHT_DTYPES)}), so this is not a checkpoint densetrain "
+                "can load (quantized checkpoints are not supported)"
+            )
+    common = None
+    for code in set(dtypes.values()):
+        dtype = _WEIGHT_DTYPES[code]
+        common = dtype if common is None else torch.promote_types(common, dtype)
+    return common or torch.float32
 
 
 def read_tensors(files: dict[str, Path], names: set[str]) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ are lossless (renames, transposes and reshapes only).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -23,7 +24,8 @@ from densetrain.models.hf.files import (
     checkpoint_files,
     read_json,
     read_tensors,
-    tensor_shapes,
+    tensor_specs,
+    weight_dtype,
     write_directory_atomically,
     write_json,
     write_safetensors,
@@ -70,8 +72,15 @@ def _adapter_for_config(hf_config: dict) -> HFAdapter:
             "model directory is read with load_model / `densetrain convert --to-hf`); "
             f"supported model types: {list(SUPPORTED_MODEL_TYPES)}"
         )
-    adapter = get_adapter(hf_config["model_type"])
+    model_type = hf_config["model_type"]
+    if not isinstance(model_type, str):
+        raise ValueError(f"config.json model_type must be a string, one of "
+                         f"{list(SUPPORTED_MODEL_TYPES)}; got {model_type!r}")
+    adapter = get_adapter(model_type)
     architectures = hf_config.get("architectures") or [adapter.architecture]
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise ValueError(f"config.json architectures must be a list of class names such as "
+                         f"[{adapter.architecture!r}], got {architectures!r}")
     unsupported = [a for a in architectures if a != adapter.architecture]
     if unsupported:
         raise ValueError(
@@ -84,6 +93,52 @@ def _adapter_for_config(hf_config: dict) -> HFAdapter:
 def config_from_hf(hf_config: dict) -> ModelConfig:
     """``ModelConfig`` of a Hugging Face ``config.json`` dict (any supported ``model_type``)."""
     return _adapter_for_config(hf_config).config_from_hf(hf_config)
+
+
+def read_hf_config(path: str | Path) -> ModelConfig:
+    """The ``ModelConfig`` of the Hugging Face checkpoint directory ``path``.
+
+    ``UserError`` names ``config.json`` and the Hugging Face key that is missing, of the wrong
+    JSON type or out of range (and, for a combination densetrain refuses, the keys its
+    ``ModelConfig`` fields come from).
+    """
+    return _read_hf_config(Path(path))[1]
+
+
+def _read_hf_config(directory: Path) -> tuple[HFAdapter, ModelConfig]:
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"{directory} has no config.json; expected a Hugging Face checkpoint")
+    hf_config = read_json(config_path)
+    try:
+        adapter = _adapter_for_config(hf_config)
+    except ValueError as error:
+        raise UserError(f"{config_path}: {_without_file(error)}") from None
+    try:
+        return adapter, adapter.config_from_hf(hf_config)
+    except KeyError as error:
+        raise UserError(f"{config_path} has no field {error} that a {adapter.model_type!r} "
+                        "config needs") from None
+    except ValueError as error:
+        raise UserError(f"{config_path}: {_without_file(error)}{_hf_keys_note(error, adapter)}"
+                        ) from None
+
+
+def _without_file(error: Exception) -> str:
+    """The message without its leading ``config.json`` (the caller names the file)."""
+    text = str(error)
+    for prefix in ("config.json: ", "config.json "):
+        if text.startswith(prefix):
+            return text[len(prefix):]
+    return text
+
+
+def _hf_keys_note(error: Exception, adapter: HFAdapter) -> str:
+    """For a ``ModelConfig`` error (densetrain's field names), the config keys they come from."""
+    text = str(error)
+    named = [f"{field} is {key}" for field, key in adapter.hf_keys.items()
+             if field != key and re.search(rf"(?<![\w.]){field}(?![\w.])", text)]
+    return f" (densetrain's names: {', '.join(named)} in config.json)" if named else ""
 
 
 def config_to_hf(cfg: ModelConfig, family: str) -> dict:
@@ -118,36 +173,31 @@ def build_transformers_model(
 def load_hf(path: str | Path, *, dtype: torch.dtype | None = None) -> Transformer:
     """Load a Hugging Face checkpoint directory as a densetrain ``Transformer``.
 
-    ``dtype`` casts the weights; None keeps the stored dtype. Raises ``ValueError`` naming the
-    model type, or the first missing, unexpected or mis-shaped tensors, before loading data.
+    ``dtype`` casts the weights; None keeps the stored dtype (mixed floating dtypes are all
+    loaded as the widest of them; see ``files.weight_dtype``). Raises ``ValueError`` naming the
+    model type, a bad ``config.json`` field, or the first missing, unexpected, mis-shaped or
+    non-floating-point tensors, before loading data.
     """
     directory = Path(path)
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"{directory} has no config.json; expected a Hugging Face checkpoint")
-    hf_config = read_json(config_path)
-    adapter = _adapter_for_config(hf_config)
-    try:
-        cfg = adapter.config_from_hf(hf_config)
-    except KeyError as error:
-        raise UserError(f"{config_path} has no field {error} that a {adapter.model_type!r} "
-                        "config needs") from error
+    adapter, cfg = _read_hf_config(directory)
     files = checkpoint_files(directory)
     expected = {k: tuple(v.shape) for k, v in adapter.dt_to_hf(meta_state_dict(cfg), cfg).items()}
     expected_names = set(expected)
+    specs = tensor_specs(files)
     found = {}
-    for name, shape in tensor_shapes(files).items():
+    for name, (shape, _) in specs.items():
         if not adapter.is_ignored(name):
             found[adapter.normalise_key(name, expected_names)] = (name, shape)
     duplicate_head = _tied_head_duplicate(cfg, adapter, expected, found)
-    _check_tensors(directory, expected, found)
-    names = {stored for stored, _ in found.values()}
-    stored = read_tensors(files, names | ({duplicate_head} if duplicate_head else set()))
+    check_tensors(directory, expected, found)
+    names = {stored for stored, _ in found.values()} | ({duplicate_head} if duplicate_head
+                                                         else set())
+    load_dtype = weight_dtype({name: specs[name][1] for name in names}, directory)
+    stored = read_tensors(files, names)
+    stored = {name: tensor.to(dtype or load_dtype) for name, tensor in stored.items()}
     state = {key: stored[name] for key, (name, _) in found.items()}
     if duplicate_head:
         _check_duplicate_head(stored[duplicate_head], state, cfg, adapter)
-    if dtype is not None:
-        state = {k: v.to(dtype) for k, v in state.items()}
     return build_model(cfg, adapter.hf_to_dt(state, cfg))
 
 
@@ -172,8 +222,9 @@ def _check_duplicate_head(
         )
 
 
-def _check_tensors(directory: Path, expected: dict, found: dict) -> None:
-    """Raise ``ValueError`` naming missing, unexpected and mis-shaped tensors."""
+def check_tensors(directory: Path, expected: dict, found: dict) -> None:
+    """Raise ``UserError`` naming missing, unexpected and mis-shaped tensors (one line: the
+    first few of each, with their expected and found shapes)."""
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(found[k][0] for k in set(found) - set(expected))
     misshaped = [
@@ -189,7 +240,7 @@ def _check_tensors(directory: Path, expected: dict, found: dict) -> None:
     if misshaped:
         problems.append(f"mis-shaped tensors {_first(misshaped)}")
     if problems:
-        raise ValueError(f"checkpoint {directory} does not match its config.json: " +
+        raise UserError(f"checkpoint {directory} does not match its config.json: " +
                          "; ".join(problems))
 
 
