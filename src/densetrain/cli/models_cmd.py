@@ -8,7 +8,8 @@
 under its older name: SOURCE may be a run directory, a training checkpoint or a densetrain model
 directory, and DIR gets weights, configs and tokenizer files that ``transformers`` loads.
 ``densetrain model-info PRESET [--json]`` prints parameter counts, training FLOPs per token
-(PaLM's 6N + 12·L·H·Q·T and Chinchilla's Appendix F count) and KV-cache bytes per token.
+(PaLM's 6N + 12·L·H·Q·T and Chinchilla's Appendix F count) and KV-cache bytes per token; PRESET
+may also be a densetrain model directory or a Hugging Face checkpoint directory.
 ``densetrain presets [--family F]`` lists the presets with their parameter counts.
 """
 
@@ -38,18 +39,19 @@ def _convert(args: argparse.Namespace) -> int:
     save_model(model, args.out, max_shard_bytes=int(args.max_shard_gb * 10**9),
                overwrite=args.overwrite)
     params = sum(p.numel() for p in model.parameters())
-    print(f"converted {args.from_hf} -> {args.out} ({params:,} parameters)")
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    print(f"converted {args.from_hf} -> {args.out} ({params:,} parameters, {dtype})")
     return 0
 
 
 def model_info(name_or_path: str, *, seq_len: int | None = None, kv_bytes: int = 2) -> dict:
     """Sizes of a preset (or of the ``config.json`` in a model directory) as a plain dict."""
     from densetrain.models import sizing
-    from densetrain.models.presets import get_preset
 
-    cfg = _config_from_path(name_or_path)
-    if cfg is None:
-        cfg = get_preset(name_or_path)
+    if isinstance(kv_bytes, bool) or not isinstance(kv_bytes, int) or kv_bytes < 1:
+        raise ValueError(f"--kv-bytes must be a positive integer (bytes per KV-cache element: 2 "
+                         f"for bf16, 1 for fp8; default 2), got {kv_bytes!r}")
+    cfg = _model_config(name_or_path)
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)
                                 or seq_len < 1):
         raise ValueError(f"--seq-len must be a positive integer (default: the model's "
@@ -72,19 +74,51 @@ def model_info(name_or_path: str, *, seq_len: int | None = None, kv_bytes: int =
     }
 
 
-def _config_from_path(path_str: str):
-    """The ``ModelConfig`` of a densetrain or Hugging Face model directory, else None."""
+_ACCEPTS = ("model-info takes a preset name (`densetrain presets` lists them), a densetrain "
+            "model directory (written by `densetrain convert --from-hf`) or a Hugging Face "
+            "checkpoint directory (each holding config.json)")
+
+
+def _model_config(name_or_path: str):
+    """The ``ModelConfig`` of a preset name, or of a model directory (or its config.json)."""
     from pathlib import Path
 
-    config_path = Path(path_str) / "config.json"
-    if not config_path.is_file():
-        return None  # a preset name: answered without importing torch
-    from densetrain.models import ModelConfig
-    from densetrain.models.hf import config_from_hf
-    from densetrain.models.hf.files import read_json
+    from densetrain.models.presets import get_preset, list_presets
 
-    data = read_json(config_path)
-    return config_from_hf(data) if "model_type" in data else ModelConfig.from_dict(data)
+    path = Path(name_or_path)
+    if path.is_file() and path.name == "config.json":
+        path = path.parent
+    if (path / "config.json").is_file():
+        return _config_from_dir(path)
+    if name_or_path.strip().lower() in list_presets():
+        return get_preset(name_or_path)  # a preset name: answered without importing torch
+    looks_like_path = "/" in name_or_path or "\\" in name_or_path or name_or_path.startswith(
+        ("~", ".")) or path.suffix in (".json", ".toml")
+    if not path.exists():
+        if looks_like_path:
+            raise ValueError(f"{name_or_path} does not exist; {_ACCEPTS}")
+        return get_preset(name_or_path)  # unknown preset: the error lists close names
+    if path.is_dir() and ((path / "checkpoints").is_dir() or (path / "config.toml").is_file()):
+        kind = "run" if (path / "checkpoints").is_dir() else "checkpoint"
+        raise ValueError(
+            f"{name_or_path} is a training {kind} directory, not a model directory; {_ACCEPTS}: "
+            f"export it first (`densetrain export {name_or_path} --to-hf DIR`, then model-info "
+            "DIR)"
+        )
+    kind = "directory without config.json" if path.is_dir() else "file, not a directory"
+    raise ValueError(f"{name_or_path} is a {kind}; {_ACCEPTS}")
+
+
+def _config_from_dir(directory):
+    """The ``ModelConfig`` of a densetrain or Hugging Face model directory, its ``config.json``
+    checked (and, for a densetrain directory, its tensors' names, shapes and dtypes)."""
+    from densetrain.models.hf.files import read_json
+    from densetrain.models.hf.interop import read_hf_config
+    from densetrain.models.hf.native import check_model_dir
+
+    if "model_type" in read_json(directory / "config.json"):
+        return read_hf_config(directory)
+    return check_model_dir(directory)
 
 
 def _model_info(args: argparse.Namespace) -> int:
@@ -194,9 +228,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     info = subparsers.add_parser(
         "model-info",
-        help="parameter counts, FLOPs per token and KV-cache bytes of a preset",
+        help="parameter counts, FLOPs per token and KV-cache bytes of a preset or model directory",
     )
-    info.add_argument("preset", help="preset name (e.g. llama2-7b) or a model directory")
+    info.add_argument("preset", help="preset name (e.g. llama2-7b), a densetrain model directory "
+                      "or a Hugging Face checkpoint directory")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.add_argument("--seq-len", type=int, default=None,
                       help="sequence length for FLOPs (default: the preset's max_seq_len)")
