@@ -103,19 +103,33 @@ def load_examples(path: str | os.PathLike) -> list[Example]:
     if not path.is_file():
         raise ValueError(f"task file {path} does not exist")
     examples = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{where}: not valid JSON: {error}") from None
-            examples.append(_example_from_json(record, where))
+    try:
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{number}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{where}: not valid JSON: {error}") from None
+                examples.append(_example_from_json(record, where))
+    except UnicodeDecodeError as error:
+        raise ValueError(_not_utf8(path, error)) from None
     if not examples:
         raise ValueError(f"task file {path} holds no examples")
     return examples
+
+
+def _not_utf8(path: Path, error: UnicodeDecodeError) -> str:
+    """``FILE:LINE: not UTF-8 ...`` for the first line of ``path`` that does not decode."""
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            return (f"{path}:{number}: not UTF-8 text (byte 0x{raw[bad.start]:02x} at byte "
+                    f"{bad.start + 1} of the line); a task file holds UTF-8 JSON lines")
+    return f"{path}: not UTF-8 text ({error}); a task file holds UTF-8 JSON lines"
 
 
 def load_jsonl_task(
