@@ -153,7 +153,8 @@ def _model_dir_source(directory: Path, tokenizer: Tokenizer | None) -> ExportSou
                                              torch_dtype_of(meta.get_dtype()))
     if tokenizer is None and (directory / "tokenizer.json").is_file():
         tokenizer = load_tokenizer(directory / "tokenizer.json")
-    return ExportSource(path=directory, kind="model", config=ModelConfig.from_dict(data),
+    return ExportSource(path=directory, kind="model", config=ModelConfig.from_dict(
+                            data, source=str(directory / "config.json")),
                         specs=specs, read=lambda names: read_tensors(files, set(names)),
                         tokenizer=tokenizer)
 
