@@ -112,13 +112,10 @@ def _model_config(name_or_path: str):
 def _config_from_dir(directory):
     """The ``ModelConfig`` of a densetrain or Hugging Face model directory, its ``config.json``
     checked (and, for a densetrain directory, its tensors' names, shapes and dtypes)."""
-    from densetrain.models.hf.files import read_json
     from densetrain.models.hf.interop import read_hf_config
-    from densetrain.models.hf.native import check_model_dir
+    from densetrain.models.hf.native import check_model_dir, is_model_dir
 
-    if "model_type" in read_json(directory / "config.json"):
-        return read_hf_config(directory)
-    return check_model_dir(directory)
+    return check_model_dir(directory) if is_model_dir(directory) else read_hf_config(directory)
 
 
 def _model_info(args: argparse.Namespace) -> int:

@@ -126,12 +126,11 @@ def _checkpoint_source(checkpoint: Path, tokenizer: Tokenizer | None) -> ExportS
 
 
 def _model_dir_source(directory: Path, tokenizer: Tokenizer | None) -> ExportSource:
-    from safetensors import safe_open
-
     from densetrain.models.hf.files import (
         checkpoint_files,
         read_json,
         read_tensors,
+        tensor_specs,
         torch_dtype_of,
     )
 
@@ -143,14 +142,8 @@ def _model_dir_source(directory: Path, tokenizer: Tokenizer | None) -> ExportSou
             "directories"
         )
     files = checkpoint_files(directory)
-    specs = {}
-    for path in sorted(set(files.values())):
-        with safe_open(path, framework="pt") as handle:
-            for name in handle.keys():
-                if files[name] == path:
-                    meta = handle.get_slice(name)
-                    specs[name] = TensorSpec(tuple(meta.get_shape()),
-                                             torch_dtype_of(meta.get_dtype()))
+    specs = {name: TensorSpec(shape, torch_dtype_of(code))
+             for name, (shape, code) in tensor_specs(files).items()}
     if tokenizer is None and (directory / "tokenizer.json").is_file():
         tokenizer = load_tokenizer(directory / "tokenizer.json")
     return ExportSource(path=directory, kind="model", config=ModelConfig.from_dict(
