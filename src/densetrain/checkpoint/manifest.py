@@ -99,13 +99,45 @@ def read_manifest(checkpoint: Path) -> tuple[dict[str, Any] | None, Damage | Non
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         return None, Damage(file=MANIFEST_FILE, problem=f"unreadable ({err})")
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict) or not all(
-        isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(
-            v.get("sha256"), str) for v in files.values()
-    ):
-        return None, Damage(file=MANIFEST_FILE, problem=f"not a {MANIFEST_FORMAT} manifest")
+    problem = _schema_problem(manifest)
+    if problem is not None:
+        return None, Damage(file=MANIFEST_FILE, problem=f"not a {MANIFEST_FORMAT} manifest "
+                            f"({problem})")
     return manifest, None
+
+
+_SHA256_HEX = frozenset("0123456789abcdef")
+
+
+def _schema_problem(manifest: Any) -> str | None:
+    """What keeps ``manifest`` (parsed JSON) from being a manifest this module wrote, or None.
+
+    Checked whole before any value is used: a file name must be a plain name inside the
+    checkpoint (no ``/``, ``..``), sizes are integers >= 0, digests 64 lower-case hex digits.
+    """
+    if not isinstance(manifest, dict):
+        return f"a JSON {type(manifest).__name__}, not an object"
+    if manifest.get("format") != MANIFEST_FORMAT:
+        return f"format is {manifest.get('format')!r}"
+    step = manifest.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"step is {step!r}, not an integer >= 0"
+    if not isinstance(manifest.get("config_sha256"), str):
+        return "config_sha256 is not a string"
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return "files is not an object"
+    for name, entry in files.items():
+        if not name or "/" in name or "\\" in name or name in (".", "..", MANIFEST_FILE):
+            return f"file name {name!r} is not a plain file name"
+        if not isinstance(entry, dict):
+            return f"files[{name!r}] is not an object"
+        size, digest = entry.get("bytes"), entry.get("sha256")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            return f"files[{name!r}].bytes is {size!r}, not an integer >= 0"
+        if not (isinstance(digest, str) and len(digest) == 64 and set(digest) <= _SHA256_HEX):
+            return f"files[{name!r}].sha256 is not 64 hex digits"
+    return None
 
 
 def check_sizes(checkpoint: Path, manifest: dict[str, Any]) -> list[Damage]:
