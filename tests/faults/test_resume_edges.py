@@ -209,7 +209,7 @@ def test_init_from_a_densetrain_model_directory_loads_its_weights(fault_cache, f
 
 
 @pytest.mark.parametrize("make, expected", [
-    (lambda d: d, "is not a model directory (no config.json) and holds no complete training "
+    (lambda d: d, "is not a model directory (no config.json) and holds no training "
                   "checkpoint; give a densetrain model directory"),
     (lambda d: d / "absent", "does not exist; give a densetrain model directory"),
     (lambda d: (d / "config.json").write_text('{"dim": ') and d, "config.json:1:9: malformed JSON"),

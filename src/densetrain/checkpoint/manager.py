@@ -89,6 +89,12 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """The step of a checkpoint directory named ``step-N``, else None."""
+    match = _NAME_RE.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
 def is_complete(path: str | os.PathLike) -> bool:
     """True when ``path`` is a finished checkpoint (its manifest is present; see
     `verify_checkpoint` for whether the files match it)."""
@@ -103,9 +109,9 @@ def checkpoint_dirs(directory: str | os.PathLike) -> list[tuple[int, Path]]:
         return []
     found = []
     for child in root.iterdir():
-        match = _NAME_RE.match(child.name)
-        if match and child.is_dir():
-            found.append((int(match.group(1)), child))
+        step = checkpoint_step(child)
+        if step is not None and child.is_dir():
+            found.append((step, child))
     return sorted(found)
 
 

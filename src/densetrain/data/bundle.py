@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from densetrain.data.config import DataConfig
-from densetrain.data.default_corpus import ensure_default_corpus
+from densetrain.data.default_corpus import default_corpus_dir, ensure_default_corpus
 from densetrain.data.shards import TokenStore, load_dataset_tokenizer, load_metadata
 from densetrain.data.stream import BatchStream
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer
+from densetrain.errors import UserError
 
 
 @dataclass(kw_only=True)
@@ -42,6 +43,35 @@ def _dataset_tokenizer(paths: list[Path], metas: list[dict], expected: str) -> T
             )
         tokenizer = wanted
     return tokenizer
+
+
+def job_tokenizer(cfg: DataConfig, *, source: str | Path) -> Tokenizer:
+    """The tokenizer `build_data` gives a job of ``cfg``, found without preparing anything:
+    for a checkpoint's or run's stored config (``source``, named in the errors).
+
+    While the job's datasets (or its default corpus) are there, their tokenizer fingerprints are
+    checked as a training run checks them, so a ``data.tokenizer`` changed since is refused.
+    Without them, ``data.tokenizer`` (when set) is the job's tokenizer; otherwise a tokenizer
+    that is no longer there is an error naming the paths and ``--tokenizer``.
+    """
+    if cfg.datasets:
+        paths = [Path(p) for p in cfg.datasets]
+    else:
+        paths = [default_corpus_dir(cache_dir=cfg.cache_dir, vocab_size=cfg.default_vocab_size,
+                                    max_files=cfg.default_max_files,
+                                    val_fraction=cfg.default_val_fraction)]
+    missing = [p for p in paths if not p.is_dir()]
+    named = Path(cfg.tokenizer) if cfg.tokenizer else None
+    if named is not None and not named.exists() or named is None and missing:
+        gone = [named] if named is not None else missing
+        raise UserError(
+            f"the tokenizer of {source} cannot be found: its config names "
+            f"{', '.join(map(str, gone))}, which does not exist (moved, or a cache that was "
+            "cleared); pass --tokenizer PATH (the tokenizer.json the run trained with)"
+        )
+    if missing:
+        return load_tokenizer(named)
+    return _dataset_tokenizer(paths, [load_metadata(p) for p in paths], cfg.tokenizer)
 
 
 def _stream(cfg: DataConfig, stores, weights, names, dp_rank: int, dp_size: int) -> BatchStream:

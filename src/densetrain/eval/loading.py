@@ -5,14 +5,15 @@
 - a densetrain model directory (``config.json`` with ``ModelConfig`` fields + safetensors,
   ``densetrain.models.hf.native``);
 - a Hugging Face checkpoint directory (``config.json`` with ``model_type``);
-- a training checkpoint (``step-N/`` with DCP shards, ``config.toml`` and ``COMPLETE``), a
-  checkpoint directory holding several (the latest complete one is used), or a run directory
-  with ``checkpoints/`` inside. The model is rebuilt from the stored job config and only the
-  model entry of the checkpoint is read.
+- a training checkpoint (``step-N/`` with DCP shards, ``config.toml`` and ``manifest.json``), a
+  checkpoint directory holding several, or a run directory with ``checkpoints/`` inside: the
+  newest checkpoint whose files match their manifest is used (``checkpoint/reading.py``; a
+  damaged newer one is named on stderr). The model is rebuilt from the stored job config, its
+  tensors must be exactly the ones that config implies, and only the model entry is read.
 
 The tokenizer is ``tokenizer`` when given, else ``tokenizer.json``/``tokenizer.model`` beside
-the model; for a training checkpoint, the tokenizer the job trained with (``data.tokenizer``,
-else the first dataset's, else the default corpus's).
+the model; for a training checkpoint, the tokenizer the job trained with, found as the run
+found it (``data.bundle.job_tokenizer``: dataset fingerprints checked, nothing prepared).
 """
 
 from __future__ import annotations
@@ -22,15 +23,11 @@ from pathlib import Path
 
 import torch
 
-from densetrain.checkpoint.manager import find_training_checkpoint
+from densetrain.checkpoint.reading import open_training_checkpoint
 from densetrain.errors import DamagedFileError, UserError
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
-
 _TOKENIZER_NAMES = ("tokenizer.json", "tokenizer.model")
+_MODEL = "model."  # the checkpoint tree entry that holds the model (checkpoint/state.py)
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -51,71 +48,56 @@ def _tokenizer_beside(directory: Path):
     return None
 
 
-def _job_tokenizer(job):
-    """The tokenizer a training job used (without preparing anything that already exists)."""
-    from densetrain.data import ensure_default_corpus, load_metadata, load_tokenizer
-
-    data = job.data
-    if data.tokenizer:
-        return load_tokenizer(data.tokenizer)
-    if data.datasets:
-        root = Path(data.datasets[0])
-        return load_tokenizer(root / load_metadata(root)["tokenizer"]["file"])
-    corpus = ensure_default_corpus(
-        cache_dir=data.cache_dir, vocab_size=data.default_vocab_size,
-        max_files=data.default_max_files, val_fraction=data.default_val_fraction,
-    )
-    return load_tokenizer(corpus / "tokenizer.json")
-
-
-def _check_model_shapes(model_state: dict, metadata, checkpoint: Path) -> None:
-    """Every model tensor must be in the checkpoint with the shape the stored config implies."""
+def _check_model_tensors(model_state: dict, metadata, checkpoint: Path) -> None:
+    """The checkpoint's model tensors must be exactly those the stored config implies, each with
+    its shape: a missing, extra or mis-shaped one means the config.toml is not its own."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     stored = metadata.state_dict_metadata
     for name, value in model_state.items():
-        meta = stored.get(f"model.{name}")
+        meta = stored.get(f"{_MODEL}{name}")
         if not isinstance(meta, TensorStorageMetadata):
             raise DamagedFileError(
-                f"checkpoint {checkpoint} has no tensor 'model.{name}' that its config.toml "
+                f"checkpoint {checkpoint} has no tensor '{_MODEL}{name}' that its config.toml "
                 "implies; the checkpoint is damaged or its config.toml is not its own"
             )
         if tuple(meta.size) != tuple(value.shape):
             raise DamagedFileError(
-                f"checkpoint {checkpoint}: tensor 'model.{name}' has shape {tuple(meta.size)}, "
-                f"its config.toml implies {tuple(value.shape)}"
+                f"checkpoint {checkpoint}: tensor '{_MODEL}{name}' has shape "
+                f"{tuple(meta.size)}, its config.toml implies {tuple(value.shape)}"
             )
+    extra = sorted(key for key, meta in stored.items() if key.startswith(_MODEL)
+                   and isinstance(meta, TensorStorageMetadata)
+                   and key[len(_MODEL):] not in model_state)
+    if extra:
+        raise DamagedFileError(
+            f"checkpoint {checkpoint} holds model tensors its config.toml does not imply "
+            f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}); its config.toml is "
+            "not its own"
+        )
 
 
-def _load_checkpoint_model(checkpoint: Path, tokenizer):
-    """The model of a training checkpoint, read without running anything from its files: the
-    metadata through a restricted unpickler, non-tensor values as plain data only
+def _load_checkpoint_model(found, explicit):
+    """The model of verified training checkpoint ``found``, read without running anything from
+    its files: the metadata through a restricted unpickler, non-tensor values as plain data only
     (``densetrain.checkpoint.safe_pickle``)."""
     from densetrain.checkpoint import ModelState
     from densetrain.checkpoint.safe_pickle import read_dcp_metadata, safe_dcp_load
-    from densetrain.config import job_config_from_dict
+    from densetrain.data.bundle import job_tokenizer
     from densetrain.models import Transformer
     from densetrain.models.hf.files import check_finite
 
-    config_path = checkpoint / "config.toml"
-    if not config_path.is_file():
-        raise DamagedFileError(f"checkpoint {checkpoint} has no config.toml; it is incomplete")
-    try:
-        config = tomllib.loads(config_path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise DamagedFileError(f"{config_path} is not valid TOML ({error})") from error
-    job = job_config_from_dict(config, source=str(config_path), validate=False)
-    tokenizer = tokenizer or _job_tokenizer(job)
-    metadata = read_dcp_metadata(checkpoint)
+    tokenizer = explicit or job_tokenizer(found.job.data, source=found.path)
+    config = found.model_config(tokenizer, explicit=explicit is not None)
     with torch.device("meta"):
-        model = Transformer(job.build_model_config(tokenizer.vocab_size))
+        model = Transformer(config)
     model.to_empty(device="cpu")
     state = ModelState(model)
     tree = {"model": state.state_dict()}
-    _check_model_shapes(tree["model"], metadata, checkpoint)
-    safe_dcp_load(tree, checkpoint)
+    _check_model_tensors(tree["model"], read_dcp_metadata(found.path), found.path)
+    safe_dcp_load(tree, found.path)
     state.load_state_dict(tree["model"])
-    check_finite(model.state_dict(), checkpoint)
+    check_finite(model.state_dict(), found.path)
     return model, tokenizer
 
 
@@ -137,7 +119,7 @@ def load_for_eval(
                         "or training checkpoint directory")
     explicit = load_tokenizer(tokenizer) if tokenizer else None
     has_config = (directory / "config.json").is_file()
-    checkpoint = None if has_config else find_training_checkpoint(directory)
+    checkpoint = None if has_config else open_training_checkpoint(directory)
     if checkpoint is not None:
         model, found = _load_checkpoint_model(checkpoint, explicit)
     elif (directory / "config.json").is_file():
@@ -145,12 +127,17 @@ def load_for_eval(
         found = explicit or _tokenizer_beside(directory)
     else:
         raise ValueError(
-            f"{directory} is not a model directory (no config.json), a complete training "
-            "checkpoint (step-N with COMPLETE) or a directory holding one"
+            f"{directory} is not a model directory (no config.json), a training "
+            "checkpoint (step-N with manifest.json) or a directory holding one"
         )
     if found is None:
         raise ValueError(
             f"no tokenizer.json or tokenizer.model beside {directory}; pass --tokenizer PATH"
+        )
+    if found.vocab_size > model.config.vocab_size:
+        raise UserError(
+            f"tokenizer {found.path} has {found.vocab_size} ids but the model {directory} only "
+            f"{model.config.vocab_size} (vocab_size): not the model's tokenizer"
         )
     if dtype is not None:
         model = model.to(dtype)

@@ -2,16 +2,19 @@
 
 ``open_source(path)`` accepts
 
-- a run directory (``<run>/checkpoints/step-N``: the latest complete checkpoint is used),
-- a checkpoint directory holding ``step-N`` checkpoints (the latest complete one),
-- one complete training checkpoint (``step-N`` with ``COMPLETE``, DCP shards and
-  ``config.toml``), written by any layout (one process, FSDP, TP, PP: DCP stores global tensors),
+- a run directory (``<run>/checkpoints/step-N``) or a checkpoint directory holding ``step-N``
+  checkpoints: the newest one whose files match their manifest (``checkpoint/reading.py``; a
+  damaged newer one is named on stderr),
+- one training checkpoint (``step-N`` with DCP shards, ``config.toml`` and ``manifest.json``),
+  verified the same way, written by any layout (one process, FSDP, TP, PP: DCP stores global
+  tensors),
 - a densetrain model directory (``config.json`` with ``ModelConfig`` fields + safetensors).
 
 For a training checkpoint the model config and the tokenizer come from the job config stored in
-it: ``data.tokenizer``, else the first prepared dataset's tokenizer, else the default corpus's
-(in the cache it was prepared into). Nothing is prepared or trained here: a tokenizer that is no
-longer where the job found it is an error naming the path and ``--tokenizer``.
+it, found as the run found it (``data.bundle.job_tokenizer``: the datasets' tokenizer
+fingerprints checked). Nothing is prepared or trained here: a tokenizer that is no longer where
+the job found it is an error naming the path and ``--tokenizer``. Every tensor read is checked
+for NaN and inf.
 
 Tensors are read one request at a time: ``read(names)`` loads exactly those model tensors from
 the DCP checkpoint (``torch.distributed.checkpoint`` on this one process, no process group) or
@@ -20,6 +23,7 @@ from the safetensors files, so memory never holds the whole model.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,13 +31,8 @@ from pathlib import Path
 
 import torch
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
-
 from densetrain.checkpoint.collective import quiet_single_process_notice
-from densetrain.checkpoint.manager import find_training_checkpoint
+from densetrain.checkpoint.reading import open_training_checkpoint
 from densetrain.checkpoint.safe_pickle import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -58,49 +57,17 @@ class ExportSource:
     tokenizer: Tokenizer | None
 
 
-def _default_corpus_tokenizer(data) -> Path:
-    """Where ``ensure_default_corpus`` put the default corpus's tokenizer for ``data``."""
-    from densetrain.data.default_corpus import default_corpus_dir
-
-    directory = default_corpus_dir(cache_dir=data.cache_dir, vocab_size=data.default_vocab_size,
-                                   max_files=data.default_max_files,
-                                   val_fraction=data.default_val_fraction)
-    return directory / "tokenizer.json"
-
-
-def job_tokenizer_path(job) -> Path:
-    """The tokenizer file a training job used, without preparing anything."""
-    from densetrain.data import load_metadata
-
-    data = job.data
-    if data.tokenizer:
-        return Path(data.tokenizer)
-    if data.datasets:
-        root = Path(data.datasets[0])
-        return root / load_metadata(root)["tokenizer"]["file"]
-    return _default_corpus_tokenizer(data)
-
-
-def _checkpoint_source(checkpoint: Path, tokenizer: Tokenizer | None) -> ExportSource:
+def _checkpoint_source(found, tokenizer: Tokenizer | None) -> ExportSource:
+    """The source of verified training checkpoint ``found`` (`TrainingCheckpoint`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from densetrain.checkpoint import read_checkpoint_config
-    from densetrain.config import job_config_from_dict
+    from densetrain.data.bundle import job_tokenizer
 
-    job = job_config_from_dict(
-        tomllib.loads(read_checkpoint_config(checkpoint)),
-        source=f"{checkpoint}/config.toml", validate=False,
-    )
-    if tokenizer is None:
-        path = job_tokenizer_path(job)
-        if not path.is_file():
-            raise ValueError(
-                f"the tokenizer of checkpoint {checkpoint} is missing: its config.toml points "
-                f"to {path}, which does not exist; pass --tokenizer PATH (the tokenizer.json "
-                "the run trained with)"
-            )
-        tokenizer = load_tokenizer(path)
+    checkpoint = found.path
+    explicit = tokenizer is not None
+    tokenizer = tokenizer or job_tokenizer(found.job.data, source=checkpoint)
+    config = found.model_config(tokenizer, explicit=explicit)
     metadata = read_dcp_metadata(checkpoint).state_dict_metadata
     specs = {
         key[len(_MODEL_PREFIX):]: TensorSpec(tuple(meta.size), meta.properties.dtype)
@@ -120,8 +87,7 @@ def _checkpoint_source(checkpoint: Path, tokenizer: Tokenizer | None) -> ExportS
                  planner=SafeLoadPlanner(), no_dist=True)
         return {name: wanted[_MODEL_PREFIX + name] for name in names}
 
-    return ExportSource(path=checkpoint, kind="checkpoint",
-                        config=job.build_model_config(tokenizer.vocab_size), specs=specs,
+    return ExportSource(path=checkpoint, kind="checkpoint", config=config, specs=specs,
                         read=read, tokenizer=tokenizer)
 
 
@@ -161,12 +127,27 @@ def open_source(path: str | os.PathLike, *, tokenizer: str | os.PathLike | None 
         raise ValueError(f"{directory} is not a directory (a run, checkpoint or model directory)")
     explicit = load_tokenizer(tokenizer) if tokenizer else None
     if (directory / "config.json").is_file():
-        return _model_dir_source(directory, explicit)
-    checkpoint = find_training_checkpoint(directory)
+        source = _model_dir_source(directory, explicit)
+        return dataclasses.replace(source, read=_finite_reader(source))
+    checkpoint = open_training_checkpoint(directory)
     if checkpoint is None:
         raise ValueError(
             f"{directory} is not a run directory (with checkpoints/), a checkpoint directory, a "
             "complete training checkpoint (step-N with COMPLETE) or a densetrain model directory "
             "(with config.json)"
         )
-    return _checkpoint_source(checkpoint, explicit)
+    source = _checkpoint_source(checkpoint, explicit)
+    return dataclasses.replace(source, read=_finite_reader(source))
+
+
+def _finite_reader(source: ExportSource) -> Callable[[tuple[str, ...]], dict[str, torch.Tensor]]:
+    """``source.read`` that refuses a tensor holding NaN or inf, naming it: such weights are
+    never exported."""
+    from densetrain.models.hf.files import check_finite
+
+    def read(names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        tensors = source.read(names)
+        check_finite(tensors, source.path)
+        return tensors
+
+    return read

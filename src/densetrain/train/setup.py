@@ -67,10 +67,10 @@ INIT_SOURCES = ("a densetrain model directory (written by `densetrain convert --
 def init_from(model: torch.nn.Module, source: str) -> None:
     """Initial weights from a densetrain model directory, a Hugging Face model directory or a
     densetrain training checkpoint (told apart as ``densetrain eval`` does: a ``config.json``
-    with or without ``model_type``, else a complete checkpoint found by
-    `find_training_checkpoint`). Every bad source is a ``UserError`` (``DamagedFileError`` for
-    damaged files) naming ``training.init_from`` and the path."""
-    from densetrain.checkpoint import find_training_checkpoint
+    with or without ``model_type``, else the newest training checkpoint there that verifies
+    against its manifest, `open_training_checkpoint`). Every bad source is a ``UserError``
+    (``DamagedFileError`` for damaged files) naming ``training.init_from`` and the path."""
+    from densetrain.checkpoint.reading import open_training_checkpoint
     from densetrain.models.hf.native import is_model_dir
 
     path = Path(source)
@@ -78,15 +78,15 @@ def init_from(model: torch.nn.Module, source: str) -> None:
     if not path.exists():
         raise UserError(f"{field} does not exist; give {INIT_SOURCES}")
     has_config = (path / "config.json").is_file()
-    found = None if has_config else find_training_checkpoint(path)
-    if not has_config and found is None:
-        raise UserError(f"{field} is not a model directory (no config.json) and holds no "
-                        f"complete training checkpoint; give {INIT_SOURCES}")
     try:
+        found = None if has_config else open_training_checkpoint(path)
+        if not has_config and found is None:
+            raise UserError(f"{path} is not a model directory (no config.json) and holds no "
+                            f"training checkpoint; give {INIT_SOURCES}")
         if has_config:
             _init_from_model_dir(model, path, native=is_model_dir(path))
-        else:
-            load_checkpoint(found, {"model": ModelState(model)})
+        else:  # just verified: every file against the manifest
+            load_checkpoint(found.path, {"model": ModelState(model)}, verify=False)
     except (CheckpointError, ValueError, OSError) as err:  # UserError, DamagedFileError too
         kind = DamagedFileError if isinstance(err, DamagedFileError) else UserError
         raise kind(f"{field}: {describe_error(err)}") from err

@@ -167,12 +167,33 @@ def test_eval_loading_refuses_a_malicious_training_checkpoint(tmp_path):
     assert torch.equal(loaded.state_dict()["norm.weight"], model.state_dict()["norm.weight"])
     marker = tmp_path / "ran"
     (step / ".metadata").write_bytes(pickle.dumps(Payload(str(marker))))
+    with pytest.raises(DamagedFileError, match=r"\.metadata: .*the manifest says"):
+        load_for_eval(step, device="cpu")  # first line of defence: the manifest
+    # A forged checkpoint whose manifest agrees with its files: the unpickler still refuses.
+    _reseal(step)
     with pytest.raises(UnsafeFileError, match="refusing to load"):
         load_for_eval(step, device="cpu")
     (step / ".metadata").write_bytes(b"\x80\x04garbage")
+    _reseal(step)
     with pytest.raises(DamagedFileError, match="truncated or damaged"):
         load_for_eval(step, device="cpu")
     assert not marker.exists()
+
+
+def _reseal(checkpoint):
+    """Rewrite ``checkpoint``'s manifest for its files as they are now (a forger's manifest)."""
+    from densetrain.checkpoint.manifest import (
+        checkpoint_files,
+        digest_files,
+        manifest_text,
+        read_manifest,
+        write_manifest_file,
+    )
+
+    old, _ = read_manifest(checkpoint)
+    digests = digest_files(checkpoint, checkpoint_files(checkpoint))
+    write_manifest_file(checkpoint, manifest_text(digests, step=old["step"],
+                                                  config_sha256=old["config_sha256"]))
 
 
 def test_rng_state_is_a_tensor_and_restores_every_generator():

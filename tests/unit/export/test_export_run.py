@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
 
 import pytest
@@ -77,24 +76,20 @@ def test_convert_to_hf_is_the_same_export(trained_run, exported, tmp_path, capsy
 
 
 def test_missing_tokenizer_is_one_clear_error(trained_run, exported, tmp_path, capsys):
-    run_dir, _ = trained_run
+    run_dir, cache = trained_run
     checkpoint = sorted((run_dir / "checkpoints").iterdir())[-1]
-    moved = tmp_path / checkpoint.name
-    shutil.copytree(checkpoint, moved)
-    config = (moved / "config.toml").read_text()
-    gone = tmp_path / "deleted-cache"
-    config = "\n".join(
-        f'cache_dir = "{gone}"' if line.startswith("cache_dir =") else line
-        for line in config.splitlines()
-    )
-    (moved / "config.toml").write_text(config + "\n")
-    assert main(["export", str(moved), "--to-hf", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert str(gone) in err and "--tokenizer" in err and "Traceback" not in err
-    assert not (tmp_path / "out").exists()
-    # With the tokenizer named explicitly the same checkpoint exports.
-    assert main(["export", str(moved), "--to-hf", str(tmp_path / "out"),
-                 "--tokenizer", str(exported / "tokenizer.json")]) == 0
+    gone = cache.with_name(cache.name + "-cleared")
+    os.replace(cache, gone)  # the default-corpus cache the run trained from is cleared
+    try:
+        assert main(["export", str(checkpoint), "--to-hf", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert str(cache) in err and "--tokenizer" in err and "Traceback" not in err
+        assert not (tmp_path / "out").exists()
+        # With the tokenizer named explicitly the same checkpoint exports.
+        assert main(["export", str(checkpoint), "--to-hf", str(tmp_path / "out"),
+                     "--tokenizer", str(exported / "tokenizer.json")]) == 0
+    finally:
+        os.replace(gone, cache)
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (
         exported / "tokenizer.json").read_bytes()
 

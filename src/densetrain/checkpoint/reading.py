@@ -1,0 +1,180 @@
+"""Open a training checkpoint outside the trainer (eval, generate, export, ``training.init_from``).
+
+`open_training_checkpoint(path)` takes one ``step-N`` checkpoint, a directory of them or a run
+directory (``checkpoints/`` inside), and returns the newest checkpoint whose files match its
+manifest (size and SHA-256 of every file, as a resume checks) with the job config stored in it,
+checked against the manifest's record of it. Nothing is trusted before that:
+
+- a ``step-N`` named directly must verify itself; damage is an error naming each file;
+- in a directory of checkpoints a damaged newest one is named on stderr and the previous one is
+  used; when none verifies the error lists each ``step-N`` and what is wrong with it.
+
+Unlike a resume nothing is renamed: a reader does not own the run, and the run's next resume
+sets the damaged ones aside itself.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from densetrain.checkpoint import collective
+from densetrain.checkpoint.manager import (
+    CONFIG_FILE,
+    CheckpointDamagedError,
+    checkpoint_dirs,
+    checkpoint_step,
+    verify_checkpoint,
+)
+from densetrain.checkpoint.manifest import MANIFEST_FILE, Damage, read_manifest, sha256_text
+from densetrain.errors import DamagedFileError, UserError, describe_error
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingCheckpoint:
+    """A verified training checkpoint: its directory, step and the job config stored in it."""
+
+    path: Path
+    step: int
+    job: Any  # densetrain.config.JobConfig (imported lazily: config sits above checkpoint)
+    config_toml: str
+
+    def model_config(self, tokenizer: Any, *, explicit: bool) -> Any:
+        """The ``ModelConfig`` of this checkpoint for ``tokenizer``: one with more ids than the
+        model's vocabulary is refused naming both, and an ``explicit`` (``--tokenizer``) one
+        must give the vocabulary the model was trained with (its embedding's rows)."""
+        from densetrain.checkpoint.safe_pickle import read_dcp_metadata
+
+        config = self.job.build_model_config(tokenizer.vocab_size)
+        meta = read_dcp_metadata(self.path).state_dict_metadata.get(
+            "model.tok_embeddings.weight")
+        rows = tuple(getattr(meta, "size", ()))[:1]
+        given = "--tokenizer " if explicit else "the run's tokenizer "
+        if explicit and rows and rows[0] != config.padded_vocab_size:
+            raise UserError(
+                f"{given}{tokenizer.path} has {tokenizer.vocab_size} ids, but checkpoint "
+                f"{self.path} was trained with an embedding of {rows[0]} rows: it is not the "
+                "run's tokenizer; leave --tokenizer out to use the one the run trained with"
+            )
+        if tokenizer.vocab_size > config.vocab_size:
+            raise UserError(
+                f"{given}{tokenizer.path} has {tokenizer.vocab_size} ids but the model of "
+                f"{self.path} only {config.vocab_size} (model.vocab_size): not the model's "
+                "tokenizer"
+            )
+        return config
+
+
+def _is_one_checkpoint(path: Path) -> bool:
+    """A ``step-N`` directory, or any directory holding a checkpoint manifest (a checkpoint
+    copied elsewhere under another name)."""
+    return path.is_dir() and (checkpoint_step(path) is not None
+                              or (path / MANIFEST_FILE).is_file())
+
+
+def _step_of(path: Path) -> int:
+    step = checkpoint_step(path)
+    if step is not None:
+        return step
+    manifest, _ = read_manifest(path)
+    return int(manifest["step"]) if manifest else 0
+
+
+def _candidates(path: Path) -> tuple[Path, list[tuple[int, Path]]]:
+    """The directory holding ``step-N`` checkpoints at ``path`` (itself or its run's
+    ``checkpoints/``) and those checkpoints, oldest first."""
+    from densetrain.checkpoint.resume import damaged_checkpoints
+
+    for directory in (path, path / "checkpoints"):
+        if directory.is_dir() and (checkpoint_dirs(directory) or damaged_checkpoints(directory)):
+            return directory, checkpoint_dirs(directory)
+    return path, []
+
+
+def _stored_config(checkpoint: Path) -> tuple[str, Any]:
+    """The job config of a verified checkpoint: its ``config.toml`` must be the one the manifest
+    recorded, valid TOML and a job config."""
+    from densetrain.config import job_config_from_dict
+
+    config_path = checkpoint / CONFIG_FILE
+    if not config_path.is_file():
+        raise DamagedFileError(
+            f"checkpoint {checkpoint} has no {CONFIG_FILE} (it was saved without its job "
+            "config), so its model cannot be rebuilt; load it with the job config that saved it "
+            "(`densetrain train` resumes it)"
+        )
+    try:
+        text = config_path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise DamagedFileError(f"{config_path} is not UTF-8 text ({error})") from None
+    manifest, _ = read_manifest(checkpoint)
+    recorded = (manifest or {}).get("config_sha256")
+    if recorded is not None and recorded != sha256_text(text):
+        raise DamagedFileError(
+            f"{config_path} is not the checkpoint's own: its SHA-256 differs from the "
+            "config_sha256 its manifest.json recorded at save time"
+        )
+    try:
+        raw = tomllib.loads(text)
+        job = job_config_from_dict(raw, source=str(config_path), validate=False)
+    except (tomllib.TOMLDecodeError, ValueError, TypeError) as error:
+        raise DamagedFileError(
+            f"{config_path} is not a densetrain job config ({describe_error(error)})"
+        ) from None
+    return text, job
+
+
+def _report(message: str) -> None:
+    if collective.rank() == 0:
+        print(message, file=sys.stderr)
+
+
+def open_training_checkpoint(path: str | os.PathLike, *, group: Any = None
+                             ) -> TrainingCheckpoint | None:
+    """The newest verified checkpoint at ``path`` (see the module docstring), or None when
+    ``path`` holds no training checkpoint at all.
+
+    Collective over ``group`` when a process group is up (the ranks share the hashing), and
+    single-process otherwise. Raises `CheckpointDamagedError` for a damaged ``step-N`` named
+    directly and `DamagedFileError` when a directory's checkpoints are all damaged.
+    """
+    from densetrain.checkpoint.resume import damaged_checkpoints
+
+    path = Path(path)
+    if _is_one_checkpoint(path):
+        damage = verify_checkpoint(path, group)
+        if damage:
+            raise CheckpointDamagedError(path, damage)
+        text, job = _stored_config(path)
+        return TrainingCheckpoint(path=path, step=_step_of(path), job=job, config_toml=text)
+    root, candidates = _candidates(path)
+    rejected: list[str] = []
+    for step, candidate in reversed(candidates):
+        damage: list[Damage] = verify_checkpoint(candidate, group)
+        if not damage:
+            try:
+                text, job = _stored_config(candidate)
+            except DamagedFileError as error:
+                damage = [Damage(file=CONFIG_FILE, problem=str(error))]
+            else:
+                if rejected:
+                    _report(f"using {candidate}, the newest checkpoint in {root} that verifies "
+                            f"(damaged: {'; '.join(rejected)})")
+                return TrainingCheckpoint(path=candidate, step=step, job=job, config_toml=text)
+        rejected.append(f"{candidate.name}: " + "; ".join(map(str, damage)))
+        _report(f"checkpoint {candidate} is damaged ({'; '.join(map(str, damage))}); "
+                "trying the previous one")
+    earlier = damaged_checkpoints(root)
+    if not rejected and not earlier:
+        return None
+    what = [f"{name}" for name in rejected] + [
+        f"{p.name}: set aside as damaged by an earlier resume" for p in earlier]
+    raise DamagedFileError(
+        f"no checkpoint in {root} verifies against its manifest: " + " | ".join(what)
+        + ". Restore a good copy of one as step-NNNNNNNN, or name an exported model directory"
+    )
