@@ -47,6 +47,10 @@ def _perplexity(args: argparse.Namespace) -> int:
 
     if bool(args.text) == bool(args.dataset):
         raise UserError("give exactly one of --text PATH... or --dataset DIR")
+    if args.dataset and not Path(args.dataset).is_dir():
+        what = "is a file" if Path(args.dataset).exists() else "does not exist"
+        raise UserError(f"--dataset {args.dataset} {what}; it takes a dataset directory written "
+                        "by `densetrain data prepare` (score text or JSONL files with --text)")
     model, tokenizer = _load(args)
     cfg = PerplexityConfig(
         seq_len=args.seq_len, stride=args.stride, batch_size=args.batch_size,

@@ -32,8 +32,12 @@ def _convert(args: argparse.Namespace) -> int:
         from densetrain.cli.export_cmd import run_export
 
         return run_export(args, args.to_hf, args.out, "convert")
-    from densetrain.models.hf import load_hf, save_model
+    from pathlib import Path
 
+    from densetrain.models.hf import load_hf, save_model
+    from densetrain.models.hf.files import check_output_apart
+
+    check_output_apart(Path(args.from_hf), Path(args.out), inside_ok=True)
     # load_hf refuses damaged files and NaN/inf weights; errors go to the CLI's one boundary
     model = load_hf(args.from_hf, dtype=_torch_dtype(args.dtype))
     save_model(model, args.out, max_shard_bytes=int(args.max_shard_gb * 10**9),

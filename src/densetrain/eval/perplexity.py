@@ -220,8 +220,7 @@ def dataset_perplexity(
     the byte counts, which is exact for byte-level BPE tokenizers. ``tokenizer`` defaults to the
     copy stored in the dataset; one given must have the dataset's fingerprint.
     """
-    from densetrain.data.shards import TokenStore, load_metadata
-    from densetrain.data.tokenizer import load_tokenizer
+    from densetrain.data.shards import TokenStore, load_dataset_tokenizer, load_metadata
 
     cfg = cfg or PerplexityConfig()
     cfg.validate()
@@ -230,7 +229,7 @@ def dataset_perplexity(
     if split not in meta["splits"] or meta["splits"][split]["num_tokens"] == 0:
         present = [k for k, v in meta["splits"].items() if v["num_tokens"]]
         raise ValueError(f"dataset {root} has no tokens in split {split!r}; splits: {present}")
-    stored = load_tokenizer(root / meta["tokenizer"]["file"])
+    stored = load_dataset_tokenizer(root, meta)  # checked against its meta.json
     if tokenizer is not None and tokenizer.fingerprint != stored.fingerprint:
         raise ValueError(
             f"tokenizer {tokenizer.path} differs from the one dataset {root} was prepared with "

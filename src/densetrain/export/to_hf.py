@@ -22,6 +22,7 @@ from densetrain.models.hf.files import (
     DEFAULT_MAX_SHARD_BYTES,
     StreamingSafetensorsWriter,
     TensorSpec,
+    check_output_apart,
     write_directory_atomically,
     write_json,
 )
@@ -48,7 +49,10 @@ def _check_stored_tensors(source: ExportSource) -> None:
 def _stored_dtype(source: ExportSource) -> torch.dtype:
     dtypes = {spec.dtype for spec in source.specs.values()}
     if len(dtypes) != 1:
-        raise ValueError(f"{source.path} mixes dtypes {sorted(map(str, dtypes))}; pass a dtype")
+        names = sorted(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{source.path} stores tensors of several dtypes ({', '.join(names)}); "
+                         "choose the exported one with --dtype float32, bfloat16 or float16 "
+                         "(dtype= in Python)")
     return dtypes.pop()
 
 
@@ -82,10 +86,13 @@ def export_to_hf(
     ``hf_family`` (a ``model_type``) defaults to the config's ``extra["hf_family"]``; ``dtype``
     casts the weights (None keeps the stored dtype); ``tokenizer`` overrides the one the source
     names. ``with_tokenizer`` False writes weights and configs only. Everything is checked
-    (family, tensor names and shapes, tokenizer) before the first byte is written; a non-empty
-    ``out`` raises ``FileExistsError`` unless ``overwrite``. Returns a summary dict.
+    (family, tensor names and shapes, tokenizer) before the first byte is written. ``out`` may
+    not be, hold or lie inside the checkpoint or model directory read; a non-empty ``out``
+    raises ``FileExistsError`` unless ``overwrite``, which replaces only a model directory.
+    Returns a summary dict.
     """
     source = open_source(path, tokenizer=tokenizer)
+    check_output_apart(source.path, Path(out), inside_ok=source.kind == "model")
     cfg = source.config
     family = hf_family or cfg.extra.get("hf_family")
     if family is None:

@@ -257,8 +257,13 @@ def test_export_refuses_non_empty_target(tmp_path):
     model.init_weights()
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("x")
-    with pytest.raises(FileExistsError):
+    with pytest.raises(FileExistsError, match="not empty"):
         save_hf(model, tmp_path / "out", hf_family="llama")
+    # overwrite replaces only a model directory (an earlier output), never any other directory
+    with pytest.raises(FileExistsError, match="not a model directory"):
+        save_hf(model, tmp_path / "out", hf_family="llama", overwrite=True)
+    assert (tmp_path / "out" / "keep.txt").read_text() == "x"
+    (tmp_path / "out" / "config.json").write_text("{}")
     save_hf(model, tmp_path / "out", hf_family="llama", overwrite=True)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "config.json", "model.safetensors"

@@ -222,16 +222,26 @@ def write_directory_atomically(
     """Create directory ``target`` by calling ``fill(tmp)`` on a temporary sibling directory and
     renaming it into place, so ``target`` never appears half-written.
 
-    An existing non-empty ``target`` raises ``FileExistsError`` unless ``overwrite``.
+    An existing non-empty ``target`` raises ``FileExistsError`` unless ``overwrite``, and even
+    then only a model directory (one holding ``config.json``, as every directory written here
+    does) is replaced: ``--overwrite`` pointed at a run, a dataset or a home directory by
+    mistake deletes nothing.
     """
     target = Path(target)
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"{target} exists and is not a directory")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise FileExistsError(
-            f"{target} exists and is not empty; choose another directory or replace it with "
-            "--overwrite (overwrite=True in Python)"
-        )
+    if target.is_dir() and any(target.iterdir()):
+        if not overwrite:
+            raise FileExistsError(
+                f"{target} exists and is not empty; choose another directory or replace it "
+                "with --overwrite (overwrite=True in Python)"
+            )
+        if not (target / "config.json").is_file():
+            raise FileExistsError(
+                f"{target} is not a model directory (no config.json), so --overwrite does not "
+                "replace it: it replaces only an earlier output of this command; choose another "
+                "output directory"
+            )
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
@@ -250,6 +260,20 @@ def write_directory_atomically(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def check_output_apart(source: Path, out: Path, *, inside_ok: bool = False) -> None:
+    """``UserError`` when the output directory ``out`` is the directory ``source`` it is written
+    from or holds it (replacing it would delete the source), or lies inside it unless
+    ``inside_ok`` (a directory added inside a training checkpoint no longer matches its
+    manifest)."""
+    src, dst = Path(source).resolve(), Path(out).resolve()
+    if dst == src or dst in src.parents or (src in dst.parents and not inside_ok):
+        where = ("is" if dst == src else "holds" if dst in src.parents else "lies inside")
+        raise UserError(
+            f"the output {out} {where} the source {source}; write the output to a directory "
+            "outside the source"
+        )
 
 
 def write_json(path: Path, data: dict) -> None:
