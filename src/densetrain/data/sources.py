@@ -137,8 +137,10 @@ def input_kind(path: Path) -> str:
 def expand_inputs(inputs: list[str]) -> list[Path]:
     """Files named by ``inputs`` (files, directories recursed, globs), sorted within each entry.
 
-    Raises ``FileNotFoundError`` for a path that does not exist or a glob that matches nothing.
-    Hidden files (names starting with ``.``) inside directories are skipped.
+    Raises ``FileNotFoundError`` for a path that does not exist, a glob that matches nothing, or
+    a directory holding an entry that is neither a file nor a directory (a broken symbolic
+    link, a loop, a FIFO). Hidden files (names starting with ``.``) inside directories are
+    skipped.
     """
     if not inputs:
         raise ValueError("inputs: no input paths given")
@@ -156,12 +158,17 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
             continue
         path = Path(entry)
         if path.is_dir():
-            found = sorted(
-                p
-                for p in path.rglob("*")
-                if p.is_file()
-                and not any(part.startswith(".") for part in p.relative_to(path).parts)
-            )
+            entries = [p for p in path.rglob("*")
+                       if not any(part.startswith(".") for part in p.relative_to(path).parts)]
+            # A broken link, a loop or a FIFO inside a directory is named, not skipped unseen.
+            odd = sorted(p for p in entries if not p.is_file() and not p.is_dir())
+            if odd:
+                more = f" ({len(odd)} such entries, the first named)" if len(odd) > 1 else ""
+                raise FileNotFoundError(
+                    f"{_not_an_input(str(odd[0]), odd[0])}; it is inside input directory "
+                    f"{entry!r}{more}: remove or repair it, or name the files to read"
+                )
+            found = sorted(p for p in entries if p.is_file())
             if not found:
                 raise FileNotFoundError(
                     f"input directory {entry!r} contains no files (hidden files are skipped)"

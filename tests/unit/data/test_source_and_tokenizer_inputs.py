@@ -159,6 +159,23 @@ def test_broken_symlink_and_symlink_loop_are_named(tmp_path):
         expand_inputs([str(loop)])
 
 
+def test_a_broken_link_or_fifo_inside_an_input_directory_is_named_not_skipped(tmp_path):
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.txt").write_text("some text")
+    (corpus / ".hidden").symlink_to(tmp_path / "nowhere")  # hidden: skipped as documented
+    assert expand_inputs([str(corpus)]) == [corpus / "a.txt"]
+    (corpus / "sub" / "b.txt").symlink_to(tmp_path / "gone.txt")
+    with pytest.raises(FileNotFoundError, match=r"broken symbolic link: it points to .*gone\.txt"
+                                                r".*inside input directory") as refused:
+        expand_inputs([str(corpus)])
+    assert str(corpus / "sub" / "b.txt") in str(refused.value)
+    (corpus / "sub" / "b.txt").unlink()
+    os.mkfifo(corpus / "pipe")
+    with pytest.raises(FileNotFoundError, match="not a regular file or directory .*FIFO"):
+        expand_inputs([str(corpus)])
+
+
 # --- train_tokenizer arguments and output -----------------------------------------------------
 
 
