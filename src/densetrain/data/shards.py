@@ -389,6 +389,17 @@ class TokenStore:
         self.doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         self.num_documents = int(len(lengths))
 
+    def content_key(self) -> str:
+        """16 hex digits that change whenever this split's tokens do: a SHA-256 over the
+        tokenizer fingerprint and each shard's recorded SHA-256 and token count (``meta.json``;
+        the shards themselves are checked against those on open and by ``data verify``). A
+        dataset prepared again from other text, or with another tokenizer, gets another key
+        even when its sequence count stays the same."""
+        shards = self.meta["splits"].get(self.split, {}).get("shards", [])
+        body = json.dumps([self.meta["tokenizer"]["fingerprint"], self.split,
+                           [[entry.get("sha256"), entry["num_tokens"]] for entry in shards]])
+        return hashlib.sha256(body.encode("utf-8")).hexdigest()[:16]
+
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens ``[start, start + length)`` as int64 (may span shards)."""
         if start < 0 or start + length > self.num_tokens:

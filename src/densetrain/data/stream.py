@@ -21,6 +21,9 @@ from densetrain.data.sampler import MixtureOrder, permute
 from densetrain.data.shards import TokenStore
 from densetrain.errors import UserError
 
+CONTENT_KEY = "content"
+"""The entry of the data loader state that holds each source's `TokenStore.content_key`."""
+
 
 @dataclass(kw_only=True)
 class Batch:
@@ -81,6 +84,9 @@ class BatchStream:
                     f"seq_len {seq_len} is longer than dataset {name} ({store.split} split has "
                     f"{store.num_tokens} tokens; a sample needs seq_len + 1)"
                 )
+        self.content_keys = [s.content_key() for s in stores]
+        """Per source, a key of its split's tokens (`TokenStore.content_key`): a resume on a
+        dataset prepared again with the same sequence count is still refused."""
         self._vocab_sizes = np.array([s.vocab_size for s in stores], dtype=np.int64)
         self.order = MixtureOrder(self.weights, seed)
         self.consumed_sequences = 0
@@ -194,6 +200,7 @@ class BatchStream:
             "seq_len": self.seq_len,
             "weights": ",".join(f"{w:.12g}" for w in self.weights),
             "num_sequences": ",".join(str(n) for n in self.num_sequences),
+            "content": ",".join(self.content_keys),
         }
 
     def state_dict(self) -> dict:
@@ -201,9 +208,12 @@ class BatchStream:
         return {"consumed_sequences": self.consumed_sequences, **self._identity()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from ``state_dict()``; the sources, weights, seed and seq_len must match
-        (`DataStateMismatchError` saying what differs)."""
+        """Resume from ``state_dict()``; the sources, weights, seed, seq_len and the sources'
+        contents must match (`DataStateMismatchError` saying what differs). A state saved
+        before contents were recorded (no ``content``) is checked on the rest."""
         for key, value in self._identity().items():
+            if key == CONTENT_KEY and key not in state:
+                continue
             if state.get(key) != value:
                 raise DataStateMismatchError(self._mismatch(key, state.get(key)))
         consumed = int(state["consumed_sequences"])
@@ -226,6 +236,15 @@ class BatchStream:
                 ]
                 return (f"{'; '.join(changed)}: the data changed since the checkpoint (its "
                         f"contents differ, e.g. it was prepared again); {fix}")
+        if key == CONTENT_KEY:
+            then = str(saved).split(",")
+            if len(then) == len(self.names):
+                changed = [name for name, old, now in zip(self.names, then, self.content_keys,
+                                                          strict=True) if old != now]
+                return (f"dataset {', '.join(changed)} holds other tokens than when the "
+                        f"checkpoint was saved (the same number of {self.seq_len}-token "
+                        "sequences, but its shards' SHA-256 or its tokenizer differ: it was "
+                        f"prepared again or edited); {fix}")
         return (f"the data loader state was saved with {key} {saved} but this run has "
                 f"{self._identity()[key]} (datasets {', '.join(self.names)}); resume with the "
                 f"same datasets, weights, seed and seq_len, or start a new run (another "

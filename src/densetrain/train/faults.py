@@ -258,8 +258,8 @@ class FaultGuard:
             )
         to_step, path = target
         remove_checkpoints_after(parts.checkpoint_dir, to_step)
-        tree = parts.state_tree(progress)
-        del tree["faults"]  # the record keeps what happened since that checkpoint
+        tree = parts.state_tree(progress, as_in=path)
+        tree.pop("faults", None)  # the record keeps what happened since that checkpoint
         load_checkpoint(path, tree)
         parts.optimizer.after_weights_loaded()
         skip = skipped_range(parts, to_step, cfg.rollback_skip_batches)

@@ -80,9 +80,12 @@ class RunParts:
         """Data-parallel degree (ranks that read different sequences)."""
         return self.pmesh.dims.dp_size
 
-    def state_tree(self, progress: Progress) -> dict[str, Any]:
-        """The Stateful tree one checkpoint covers."""
-        return {
+    def state_tree(self, progress: Progress, *, as_in: Path | None = None) -> dict[str, Any]:
+        """The Stateful tree one checkpoint covers; ``as_in`` a checkpoint to load: the tree
+        as that checkpoint holds it (one saved before the fault record existed has no
+        ``faults`` entry; one saved before the data's contents were recorded, no
+        ``data.content``)."""
+        tree = {
             "model": ModelState(self.model.module),
             "optim": self.optimizer,
             "lr_schedule": self.scheduler,
@@ -92,6 +95,32 @@ class RunParts:
             "trainer": progress,
             "faults": self.fault_record,
         }
+        if as_in is not None:
+            from densetrain.checkpoint.safe_pickle import read_dcp_metadata
+            from densetrain.data.stream import CONTENT_KEY
+
+            stored = read_dcp_metadata(as_in).state_dict_metadata
+            if not any(key.startswith("faults.") for key in stored):
+                del tree["faults"]  # no faults were recorded then
+            if f"data.{CONTENT_KEY}" not in stored:
+                tree["data"] = _DataStateBeforeContent(self.data.train)
+        return tree
+
+
+class _DataStateBeforeContent:
+    """The data stream's state as a checkpoint saved before contents were recorded holds it:
+    the same entries but ``content``, loaded (and checked) on those."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def state_dict(self) -> dict:
+        from densetrain.data.stream import CONTENT_KEY
+
+        return {k: v for k, v in self.stream.state_dict().items() if k != CONTENT_KEY}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state)
 
 
 @dataclass(kw_only=True)

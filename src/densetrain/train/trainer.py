@@ -176,14 +176,6 @@ def check_optimizer_layout(path: Path, parts: RunParts) -> None:
         )
 
 
-def has_fault_record(path: Path) -> bool:
-    """True when checkpoint ``path`` holds the ``faults`` entry of the state tree."""
-    from densetrain.checkpoint.safe_pickle import read_dcp_metadata
-
-    stored = read_dcp_metadata(path).state_dict_metadata
-    return any(key.startswith("faults.") for key in stored)
-
-
 def resume(parts: RunParts, progress: Progress, *, allow_config_change: bool = False) -> str:
     """Load the newest checkpoint that verifies into the run (if any); returns its path or "".
 
@@ -201,9 +193,7 @@ def resume(parts: RunParts, progress: Progress, *, allow_config_change: bool = F
     check_resume_config(latest, parts.config_toml, allow_change=allow_config_change,
                         run_dir=parts.run_dir, vocab_size=parts.model_cfg.vocab_size)
     check_optimizer_layout(latest, parts)
-    tree = parts.state_tree(progress)
-    if not has_fault_record(latest):
-        del tree["faults"]  # saved before the record existed: no faults were recorded
+    tree = parts.state_tree(progress, as_in=latest)
     try:
         load_checkpoint(latest, tree, verify=False)  # verified just above
     except DataStateMismatchError as error:

@@ -205,3 +205,81 @@ def test_resume_after_the_dataset_is_prepared_again_names_checkpoint_and_dataset
     assert "step-00000002 (step 2)" in err and f"dataset {dataset} held" in err
     assert "changed since the checkpoint" in err and "--checkpoint.resume=false" in err
     assert "num_sequences='" not in err and "internal error" not in err
+
+
+def _reorder(root: Path, tokenizer_path: Path, docs: list[str]) -> None:
+    """Prepare ``root`` again from the same documents in reverse order: the same tokens in all
+    (the split goes by each document's hash), so the same sequence count, in another order."""
+    raw = root.parent / "raw-reversed"
+    write_text_files(raw, list(reversed(docs)))
+    prepare_dataset([str(raw)], root, tokenizer=tokenizer_path, overwrite=True,
+                    cfg=PrepareConfig(val_fraction=0.1, shard_tokens=4000, batch_bytes=4000))
+
+
+def test_a_dataset_prepared_again_with_the_same_sequence_count_is_told_apart(tmp_path,
+                                                                            tokenizer_path):
+    docs = synthetic_documents(60, seed=4)
+    write_text_files(tmp_path / "raw", docs)
+    root = tmp_path / "ds"
+    prepare_dataset([str(tmp_path / "raw")], root, tokenizer=tokenizer_path,
+                    cfg=PrepareConfig(val_fraction=0.1, shard_tokens=4000, batch_bytes=4000))
+
+    def stream() -> BatchStream:
+        return BatchStream([TokenStore(root, "train")], [1.0], seq_len=16, seed=1)
+
+    before = stream()
+    state = before.state_dict()
+    first = before.batch_at(0, 4).inputs
+    _reorder(root, tokenizer_path, docs)
+    after = stream()
+    assert after.num_sequences == before.num_sequences  # the old check could not see it
+    assert not np.array_equal(after.batch_at(0, 4).inputs.numpy(), first.numpy())
+    with pytest.raises(DataStateMismatchError, match=f"dataset {root} holds other tokens than "
+                                                     "when the checkpoint was saved"):
+        after.load_state_dict(state)
+    # A state saved before contents were recorded is still accepted on the rest.
+    legacy = {k: v for k, v in state.items() if k != "content"}
+    after.load_state_dict(legacy)
+    assert after.consumed_sequences == state["consumed_sequences"]
+
+
+def test_resume_after_a_reorder_of_the_same_documents_is_refused(tmp_path, tokenizer_path,
+                                                                capsys):
+    docs = synthetic_documents(60, seed=5)
+    write_text_files(tmp_path / "raw", docs)
+    dataset = tmp_path / "ds"
+    prepare_dataset([str(tmp_path / "raw")], dataset, tokenizer=tokenizer_path,
+                    cfg=PrepareConfig(val_fraction=0.1, shard_tokens=4000, batch_bytes=4000))
+    run = tmp_path / "run"
+    args = ["train", *TINY_OVERRIDES, f'--data.datasets=["{dataset}"]', "--eval.interval=0",
+            "--eval.sample_tokens=0", "--checkpoint.interval=2", "--schedule.warmup_steps=0",
+            f"--logging.run_dir={run}"]
+    assert main([*args, "--training.steps=2"]) == 0
+    _reorder(dataset, tokenizer_path, docs)
+    capsys.readouterr()
+    assert main([*args, "--training.steps=4"]) == 2
+    err = capsys.readouterr().err
+    assert "step-00000002 (step 2)" in err and f"dataset {dataset} holds other tokens" in err
+    assert "--checkpoint.resume=false" in err and "Traceback" not in err
+
+
+def test_a_checkpoint_saved_before_contents_were_recorded_still_resumes_exactly(
+        dataset, tmp_path, monkeypatch):
+    from densetrain.train import read_metrics
+
+    def args(run: Path, steps: int) -> list[str]:
+        return ["train", *TINY_OVERRIDES, f'--data.datasets=["{dataset}"]', "--eval.interval=0",
+                "--eval.sample_tokens=0", "--checkpoint.interval=2",
+                "--schedule.warmup_steps=0", f"--logging.run_dir={run}",
+                f"--training.steps={steps}"]
+
+    assert main(args(tmp_path / "now", 2)) == 0  # the reference: saved and resumed as now
+    assert main(args(tmp_path / "now", 4)) == 0
+    identity = BatchStream._identity
+    with monkeypatch.context() as patch:  # the data state as older checkpoints hold it
+        patch.setattr(BatchStream, "_identity", lambda self: {
+            k: v for k, v in identity(self).items() if k != "content"})
+        assert main(args(tmp_path / "old", 2)) == 0
+    assert main(args(tmp_path / "old", 4)) == 0
+    losses = [[r["loss"] for r in read_metrics(tmp_path / name)] for name in ("now", "old")]
+    assert losses[0] == losses[1] and len(losses[0]) == 4
