@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from densetrain.values import is_int_at_least
+
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "densetrain-checkpoint-manifest/1"
 _HASH_THREADS = 4
@@ -120,7 +122,7 @@ def _schema_problem(manifest: Any) -> str | None:
     if manifest.get("format") != MANIFEST_FORMAT:
         return f"format is {manifest.get('format')!r}"
     step = manifest.get("step")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if not is_int_at_least(step, 0):
         return f"step is {step!r}, not an integer >= 0"
     if not isinstance(manifest.get("config_sha256"), str):
         return "config_sha256 is not a string"
@@ -133,7 +135,7 @@ def _schema_problem(manifest: Any) -> str | None:
         if not isinstance(entry, dict):
             return f"files[{name!r}] is not an object"
         size, digest = entry.get("bytes"), entry.get("sha256")
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        if not is_int_at_least(size, 0):
             return f"files[{name!r}].bytes is {size!r}, not an integer >= 0"
         if not (isinstance(digest, str) and len(digest) == 64 and set(digest) <= _SHA256_HEX):
             return f"files[{name!r}].sha256 is not 64 hex digits"

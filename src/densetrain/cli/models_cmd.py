@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from densetrain.values import is_int_at_least
+
 
 def _torch_dtype(name: str | None):
     if name is None:
@@ -52,7 +54,7 @@ def model_info(name_or_path: str, *, seq_len: int | None = None, kv_bytes: int =
     """Sizes of a preset (or of the ``config.json`` in a model directory) as a plain dict."""
     from densetrain.models import sizing
 
-    if isinstance(kv_bytes, bool) or not isinstance(kv_bytes, int) or kv_bytes < 1:
+    if not is_int_at_least(kv_bytes, 1):
         raise ValueError(f"--kv-bytes must be a positive integer (bytes per KV-cache element: 2 "
                          f"for bf16, 1 for fp8; default 2), got {kv_bytes!r}")
     cfg = _model_config(name_or_path)

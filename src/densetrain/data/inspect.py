@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from densetrain.data.shards import TokenStore, load_dataset_tokenizer, load_metadata
+from densetrain.values import is_int_at_least
 
 
 def inspect_dataset(
@@ -15,7 +16,7 @@ def inspect_dataset(
 ) -> dict:
     """Summary of one split of a prepared dataset (plain JSON-able values)."""
     for name, value in (("sample_tokens", sample_tokens), ("top_k", top_k)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not is_int_at_least(value, 0):
             raise ValueError(f"{name} must be an integer >= 0 (0: none shown), got {value!r}")
     root = Path(path)
     meta = load_metadata(root)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from densetrain.models.config import ModelConfig
+from densetrain.values import is_int_at_least
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,7 +169,7 @@ def flops_per_token_executed(cfg: ModelConfig, seq_len: int, micro_batch: int) -
     2·``relative_projection_flops`` / (micro_batch·seq_len). Matmuls are counted as in
     ``flops_per_token_palm`` (N includes the norm and bias parameters, which torch's FLOP
     counter, counting matmuls only, does not see: tests/unit/models/test_sizing_relative.py)."""
-    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch <= 0:
+    if not is_int_at_least(micro_batch, 1):
         raise ValueError(f"micro_batch must be a positive integer, got {micro_batch!r}")
     projection = 2 * relative_projection_flops_per_token(cfg, seq_len, micro_batch)
     return flops_per_token_palm(cfg, seq_len) + projection

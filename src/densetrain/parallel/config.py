@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from densetrain.values import is_int_at_least
+
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 """Pipeline schedules: GPipe (all forwards then all backwards), 1F1B (PipeDream-Flush),
 interleaved 1F1B (Megatron virtual stages), interleaved zero-bubble (Qi et al. 2023, split
@@ -69,7 +71,7 @@ class ParallelConfig:
         """Raise ``ValueError`` naming the field and the allowed values when a value is invalid."""
         for name in ("dp_replicate", "tp", "pp", "cp", "pp_virtual_stages", "ac_every"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int_at_least(value, 1):
                 raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
         if isinstance(self.dp_shard, bool) or not isinstance(self.dp_shard, int) or (
             self.dp_shard < 1 and self.dp_shard != -1
@@ -102,7 +104,7 @@ class ParallelConfig:
         if problems:
             raise ValueError(problems[0])
         if not isinstance(self.pp_layer_split, list) or any(
-            isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.pp_layer_split
+            not is_int_at_least(n, 1) for n in self.pp_layer_split
         ):
             raise ValueError(
                 "parallel.pp_layer_split must be a list of positive layer counts per stage, "

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from densetrain.values import is_int_at_least
+
 INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv")
 """Schedules that hold several stages per pipeline rank (``pp_virtual_stages``)."""
 
@@ -300,7 +302,7 @@ def layer_split_reasons(split: list[int], stages: int, num_layers: int) -> list[
 def resolve_dp_shard(parallel: Any, world_size: int) -> tuple[int | None, str | None]:
     """(dp_shard with -1 resolved, None) or (None, why the degrees do not fit ``world_size``)."""
     others = parallel.dp_replicate * parallel.cp * parallel.tp * parallel.pp
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if not is_int_at_least(world_size, 1):
         return None, f"the world size must be a positive integer, got {world_size!r}"
     if parallel.dp_shard == -1:
         if world_size % others:

@@ -19,6 +19,7 @@ import numpy as np
 
 from densetrain.parallel.layout_check import RULES, RunShape, fields_read
 from densetrain.planner.layout import AC_POLICIES, PP_SCHEDULES, LayoutColumns
+from densetrain.values import is_int_at_least
 
 _SCHEDULE_NAMES = np.asarray(PP_SCHEDULES)
 
@@ -38,12 +39,12 @@ class SearchSpace:
     def __post_init__(self) -> None:
         for name in ("max_tp", "max_cp"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int_at_least(value, 1):
                 raise ValueError(f"search space {name} must be a positive integer (1: no "
                                  f"{name[4:]} split), got {value!r}")
         for name in ("micro_batch_sizes", "virtual_stages"):
             bad = [v for v in getattr(self, name)
-                   if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+                   if not is_int_at_least(v, 1)]
             if bad or not getattr(self, name):
                 raise ValueError(f"search space {name} must be positive integers, got "
                                  f"{getattr(self, name)!r}")

@@ -15,6 +15,7 @@ import numpy as np
 
 from densetrain.parallel.config import ACTIVATION_CHECKPOINTING, PP_SCHEDULES
 from densetrain.parallel.layout_check import INTERLEAVED_SCHEDULES
+from densetrain.values import is_int_at_least
 
 AC_POLICIES = ACTIVATION_CHECKPOINTING
 """The trainer's activation-checkpointing policies (``parallel.checkpointing``)."""
@@ -52,7 +53,7 @@ class Layout:
         for name in ("tp", "pp", "pp_virtual_stages", "cp", "dp_replicate", "dp_shard",
                      "micro_batch_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int_at_least(value, 1):
                 raise ValueError(f"layout.{name} must be a positive integer, got {value!r}")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"layout.pp_schedule must be one of {PP_SCHEDULES}, "

@@ -21,6 +21,7 @@ from densetrain.planner.hardware import ClusterSpec
 from densetrain.planner.layout import Layout, LayoutColumns, PlanSettings
 from densetrain.planner.memory import memory_columns
 from densetrain.planner.timing import time_columns
+from densetrain.values import is_int_at_least
 
 GB = 1e9
 
@@ -101,7 +102,7 @@ def search(cfg: ModelConfig, *, seq_len: int, global_batch: int, devices: int,
     space = space or SearchSpace()
     for name, value in (("seq_len", seq_len), ("global_batch", global_batch),
                         ("devices", devices)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int_at_least(value, 1):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     start = time.perf_counter()
     cols, why_none = runnable_layouts(cfg, seq_len, global_batch, devices, space)

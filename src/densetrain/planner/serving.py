@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from densetrain.models import sizing
 from densetrain.models.config import ModelConfig
 from densetrain.planner.hardware import ClusterSpec
+from densetrain.values import is_int_at_least
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +47,7 @@ class ServingSetup:
     def __post_init__(self) -> None:
         for name in ("context_len", "batch_size", "kv_bytes_per_elem", "devices"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if not is_int_at_least(value, 1):
                 raise ValueError(f"serving {name} must be a positive integer, got {value!r}")
         if self.prompt_len is not None and not 0 < self.prompt_len <= self.context_len:
             raise ValueError(f"serving prompt_len must be in 1..context_len "

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from densetrain.errors import UserError
 from densetrain.train.jsonl import drop_torn_tail, read_json_lines
+from densetrain.values import is_int_at_least
 
 HISTORY_FILE = "faults.jsonl"
 EVENT_KINDS = ("rollback", "sdc")
@@ -94,7 +95,7 @@ def _step_field(event: dict[str, Any], name: str) -> int:
     if name not in event:
         raise ValueError(f"a {event['event']} event needs the field {name!r}, which is missing")
     value = event[name]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not is_int_at_least(value, 0):
         raise ValueError(f"field {name!r} is {value!r}; it must be a step number (an integer "
                          ">= 0)")
     return value

@@ -28,6 +28,7 @@ from typing import Any
 
 from densetrain.errors import UserError
 from densetrain.train.jsonl import drop_torn_tail, read_json_lines
+from densetrain.values import is_int_at_least
 
 LEDGER_FILE = "goodput.jsonl"
 BUCKETS = ("productive", "recomputed", "startup", "data", "checks", "evaluation", "callbacks",
@@ -81,7 +82,7 @@ def check_line(entry: dict[str, Any]) -> None:
     if end < start:
         raise ValueError(f"field 'end' {end} is before 'start' {start}")
     step = entry["step"]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if not is_int_at_least(step, 0):
         raise ValueError(f"field 'step' is {step!r}; it must be an integer >= 0")
     buckets = entry["buckets"]
     if not isinstance(buckets, dict):

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from densetrain.models.config import ModelConfig
+from densetrain.values import is_int_at_least
 
 Tensors = dict[str, torch.Tensor]
 
@@ -82,7 +83,7 @@ def hf_int(hf: dict, key: str | tuple[str, ...], default: Any = _REQUIRED, *,
     name, value, use_default = _lookup(hf, key, default)
     if use_default:
         return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int_at_least(value, minimum):
         wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise ValueError(f"config.json {name} must be {wanted}, got {value!r}")
     return value
