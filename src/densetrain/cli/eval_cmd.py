@@ -19,6 +19,39 @@ from densetrain.errors import UserError
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
+def _count(minimum: int, meaning: str = ""):
+    """An argparse type: an integer >= ``minimum`` (argparse names the flag in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            note = f" ({meaning})" if meaning else ""
+            raise argparse.ArgumentTypeError(
+                f"must be an integer >= {minimum}{note}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _check_window(args: argparse.Namespace, model) -> None:
+    """``--seq-len`` and ``--stride`` against the loaded model, named as flags."""
+    cfg = model.config
+    window = args.seq_len or cfg.max_seq_len
+    if cfg.position_embedding == "learned" and window > cfg.max_seq_len:
+        raise UserError(
+            f"--seq-len {args.seq_len} exceeds max_seq_len {cfg.max_seq_len} of {args.model}, a "
+            f"model with learned positions; give --seq-len {cfg.max_seq_len} or less (0 = "
+            "its max_seq_len)"
+        )
+    if args.stride > window:
+        what = "--seq-len" if args.seq_len else "the model's max_seq_len, as --seq-len is 0"
+        raise UserError(f"--stride {args.stride} exceeds the window of {window} tokens ({what});"
+                        f" give --stride {window} or less (0 = the window)")
+
+
 def _load(args: argparse.Namespace):
     import torch
 
@@ -52,6 +85,7 @@ def _perplexity(args: argparse.Namespace) -> int:
         raise UserError(f"--dataset {args.dataset} {what}; it takes a dataset directory written "
                         "by `densetrain data prepare` (score text or JSONL files with --text)")
     model, tokenizer = _load(args)
+    _check_window(args, model)
     cfg = PerplexityConfig(
         seq_len=args.seq_len, stride=args.stride, batch_size=args.batch_size,
         prefix=args.prefix, max_documents=args.max_documents,
@@ -151,6 +185,15 @@ def _generate(args: argparse.Namespace) -> int:
     model, tokenizer = _load(args)
     device = next(model.parameters()).device
     ids = tokenizer.encode(args.prompt) or [tokenizer.eos_id]
+    cfg = model.config
+    if cfg.position_embedding == "learned" and len(ids) + args.max_new_tokens > cfg.max_seq_len:
+        room = cfg.max_seq_len - len(ids)
+        raise UserError(
+            f"the prompt's {len(ids)} tokens and --max-new-tokens {args.max_new_tokens} exceed "
+            f"max_seq_len {cfg.max_seq_len} of {args.model}, a model with learned positions; "
+            + (f"give --max-new-tokens {room} or less" if room > 0
+               else "shorten the prompt")
+        )
     prompt_BS = torch.tensor([ids] * args.num_samples, device=device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     out_BT = generate(
@@ -181,7 +224,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_scoring_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
+    parser.add_argument("--batch-size", type=_count(1), default=8, help="rows per forward pass")
     parser.add_argument("--prefix", choices=("eos", "bos"), default="eos",
                         help="token placed before each document / empty context")
 
@@ -203,9 +246,11 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     ppl.add_argument("--text-field", default="text", help="JSONL field / Parquet column")
     ppl.add_argument("--dataset", help="prepared dataset directory (densetrain data prepare)")
     ppl.add_argument("--split", default="val", help="split of --dataset (default val)")
-    ppl.add_argument("--seq-len", type=int, default=0, help="window; 0 = model max_seq_len")
-    ppl.add_argument("--stride", type=int, default=0, help="new tokens per window; 0 = seq-len")
-    ppl.add_argument("--max-documents", type=int, default=0, help="0 = all")
+    ppl.add_argument("--seq-len", type=_count(0, "0 = the model's max_seq_len"), default=0,
+                     help="window; 0 = model max_seq_len")
+    ppl.add_argument("--stride", type=_count(0, "0 = --seq-len"), default=0,
+                     help="new tokens per window; 0 = seq-len")
+    ppl.add_argument("--max-documents", type=_count(0, "0 = all"), default=0, help="0 = all")
     ppl.set_defaults(func=_perplexity)
 
     tasks = ev_sub.add_parser("tasks", help="multiple-choice few-shot accuracy")
@@ -213,10 +258,12 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     _add_scoring_args(tasks)
     tasks.add_argument("--task", action="append", required=True,
                        help="built-in name (stdlib-next-line) or JSONL file; repeatable")
-    tasks.add_argument("--shots", type=int, default=0, help="solved examples in each prompt")
+    tasks.add_argument("--shots", type=_count(0), default=0,
+                       help="solved examples in each prompt")
     tasks.add_argument("--fewshot-file", help="JSONL file of few-shot examples")
     tasks.add_argument("--seed", type=int, default=1234, help="seed of the few-shot draw")
-    tasks.add_argument("--limit", type=int, default=0, help="first N examples; 0 = all")
+    tasks.add_argument("--limit", type=_count(0, "0 = all"), default=0,
+                       help="first N examples; 0 = all")
     tasks.add_argument("--log-samples", action="store_true",
                        help="include per-example log-likelihoods in the JSON")
     tasks.set_defaults(func=_tasks)
@@ -225,8 +272,9 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     _add_model_args(harness)
     _add_scoring_args(harness)
     harness.add_argument("--tasks", required=True, help="comma-separated harness task names")
-    harness.add_argument("--shots", type=int, default=None, help="num_fewshot")
-    harness.add_argument("--limit", type=int, default=0, help="examples per task; 0 = all")
+    harness.add_argument("--shots", type=_count(0), default=None, help="num_fewshot")
+    harness.add_argument("--limit", type=_count(0, "0 = all"), default=0,
+                         help="examples per task; 0 = all")
     harness.set_defaults(func=_harness)
 
 
@@ -236,7 +284,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen = subparsers.add_parser("generate", help="continue a prompt (KV-cached decoding)")
     _add_model_args(gen)
     gen.add_argument("--prompt", required=True, help="text to continue")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--max-new-tokens", type=_count(0), default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=None)

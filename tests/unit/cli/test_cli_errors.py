@@ -188,6 +188,8 @@ CASES = [
      ["layers.0.mlp.w_up.weight", "NaN"]),
     ("eval-non-finite-loss", "eval perplexity {ws}/native_overflow --text {ws}/raw/d000.txt",
      ["native_overflow", "non-finite", "--dtype"]),
+    ("eval-stride-past-window", "eval perplexity {ws}/native --text {ws}/t.parquet "
+     "--text-field content --seq-len 8 --stride 9", ["--stride 9 exceeds the window of 8"]),
     ("eval-empty-text", "eval perplexity {ws}/native --text {ws}/empty.txt",
      ["empty.txt", "no text to score", "0 tokens"]),
     ("eval-missing-text", "eval perplexity {ws}/native --text {ws}/none.txt", ["none.txt"]),

@@ -57,3 +57,22 @@ def test_shard_size_must_be_a_number_above_zero(capsys, tmp_path, command, value
                   + ["--max-shard-gb", value])
     assert line == (f"densetrain {command[0]}: error: argument --max-shard-gb: must be a number "
                     f"of GB above 0 (e.g. 5), got '{value}'")
+
+
+@pytest.mark.parametrize("argv, flag, allowed", [
+    (["eval", "perplexity", "m", "--text", "t", "--batch-size", "0"], "--batch-size", ">= 1"),
+    (["eval", "perplexity", "m", "--text", "t", "--seq-len", "-4"], "--seq-len",
+     ">= 0 (0 = the model's max_seq_len)"),
+    (["eval", "perplexity", "m", "--text", "t", "--stride", "x"], "--stride",
+     ">= 0 (0 = --seq-len)"),
+    (["eval", "perplexity", "m", "--text", "t", "--max-documents", "-1"], "--max-documents",
+     ">= 0 (0 = all)"),
+    (["eval", "tasks", "m", "--task", "x", "--shots", "-1"], "--shots", ">= 0"),
+    (["eval", "tasks", "m", "--task", "x", "--limit", "1.5"], "--limit", ">= 0 (0 = all)"),
+    (["eval", "harness", "m", "--tasks", "x", "--shots", "-2"], "--shots", ">= 0"),
+    (["generate", "m", "--prompt", "x", "--max-new-tokens", "-1"], "--max-new-tokens", ">= 0"),
+])
+def test_eval_and_generate_counts_are_refused_by_the_parser(capsys, argv, flag, allowed):
+    # Refused before any model is read (the model path here does not exist).
+    line = _error(capsys, argv)
+    assert f"error: argument {flag}: must be an integer {allowed}, got '{argv[-1]}'" in line

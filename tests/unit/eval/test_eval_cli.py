@@ -101,3 +101,40 @@ def test_training_checkpoint_loads_from_run_or_step_directory(tokenizer, tmp_pat
         assert tok.fingerprint == tokenizer.fingerprint
         for name, value in model.state_dict().items():
             assert torch.equal(loaded.state_dict()[name], value), name
+
+
+def test_windows_past_learned_positions_are_refused_naming_the_flags(tokenizer, tmp_path,
+                                                                      capsys):
+    """A GPT-2-style model (learned positions, max_seq_len 16): --seq-len and --max-new-tokens
+    past its positions name the flag and how far they may go; inside them both run."""
+    import shutil
+
+    from densetrain.cli.main import main
+    from densetrain.models.hf import save_model
+    from densetrain.models.presets.gpt2 import gpt2_config
+
+    model = Transformer(gpt2_config(dim=32, num_layers=1, num_heads=2, published_params=0,
+                                    vocab_size=tokenizer.vocab_size, max_seq_len=16))
+    model.init_weights(seed=0)
+    save_model(model, tmp_path / "gpt")
+    shutil.copyfile(tokenizer.path, tmp_path / "gpt" / "tokenizer.json")
+    text = tmp_path / "t.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 20)
+    prompt_ids = len(tokenizer.encode("def"))
+    for args, expected in (
+        (["eval", "perplexity", "--seq-len", "64"], "--seq-len 64 exceeds max_seq_len 16"),
+        (["eval", "perplexity", "--stride", "20"], "--stride 20 exceeds the window of 16"),
+        (["generate", "--prompt", "def", "--max-new-tokens", "40"],
+         f"give --max-new-tokens {16 - prompt_ids} or less"),
+    ):
+        argv = [*args[:2], str(tmp_path / "gpt"), *args[2:]] if args[0] == "eval" else [
+            args[0], str(tmp_path / "gpt"), *args[1:]]
+        if args[0] == "eval":
+            argv += ["--text", str(text)]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert expected in err and "Traceback" not in err, err
+    assert main(["eval", "perplexity", str(tmp_path / "gpt"), "--text", str(text),
+                 "--seq-len", "16"]) == 0
+    assert main(["generate", str(tmp_path / "gpt"), "--prompt", "def", "--max-new-tokens",
+                 str(16 - prompt_ids)]) == 0
