@@ -14,26 +14,10 @@ import math
 import os
 from pathlib import Path
 
+from densetrain.cli.argtypes import count
 from densetrain.errors import UserError
 
 _DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _count(minimum: int, meaning: str = ""):
-    """An argparse type: an integer >= ``minimum`` (argparse names the flag in its error)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            note = f" ({meaning})" if meaning else ""
-            raise argparse.ArgumentTypeError(
-                f"must be an integer >= {minimum}{note}, got {text!r}")
-        return value
-
-    return parse
 
 
 def _check_window(args: argparse.Namespace, model) -> None:
@@ -224,7 +208,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_scoring_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-size", type=_count(1), default=8, help="rows per forward pass")
+    parser.add_argument("--batch-size", type=count(1), default=8, help="rows per forward pass")
     parser.add_argument("--prefix", choices=("eos", "bos"), default="eos",
                         help="token placed before each document / empty context")
 
@@ -246,11 +230,11 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     ppl.add_argument("--text-field", default="text", help="JSONL field / Parquet column")
     ppl.add_argument("--dataset", help="prepared dataset directory (densetrain data prepare)")
     ppl.add_argument("--split", default="val", help="split of --dataset (default val)")
-    ppl.add_argument("--seq-len", type=_count(0, "0 = the model's max_seq_len"), default=0,
+    ppl.add_argument("--seq-len", type=count(0, "0 = the model's max_seq_len"), default=0,
                      help="window; 0 = model max_seq_len")
-    ppl.add_argument("--stride", type=_count(0, "0 = --seq-len"), default=0,
+    ppl.add_argument("--stride", type=count(0, "0 = --seq-len"), default=0,
                      help="new tokens per window; 0 = seq-len")
-    ppl.add_argument("--max-documents", type=_count(0, "0 = all"), default=0, help="0 = all")
+    ppl.add_argument("--max-documents", type=count(0, "0 = all"), default=0, help="0 = all")
     ppl.set_defaults(func=_perplexity)
 
     tasks = ev_sub.add_parser("tasks", help="multiple-choice few-shot accuracy")
@@ -258,11 +242,11 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     _add_scoring_args(tasks)
     tasks.add_argument("--task", action="append", required=True,
                        help="built-in name (stdlib-next-line) or JSONL file; repeatable")
-    tasks.add_argument("--shots", type=_count(0), default=0,
+    tasks.add_argument("--shots", type=count(0), default=0,
                        help="solved examples in each prompt")
     tasks.add_argument("--fewshot-file", help="JSONL file of few-shot examples")
     tasks.add_argument("--seed", type=int, default=1234, help="seed of the few-shot draw")
-    tasks.add_argument("--limit", type=_count(0, "0 = all"), default=0,
+    tasks.add_argument("--limit", type=count(0, "0 = all"), default=0,
                        help="first N examples; 0 = all")
     tasks.add_argument("--log-samples", action="store_true",
                        help="include per-example log-likelihoods in the JSON")
@@ -272,8 +256,8 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     _add_model_args(harness)
     _add_scoring_args(harness)
     harness.add_argument("--tasks", required=True, help="comma-separated harness task names")
-    harness.add_argument("--shots", type=_count(0), default=None, help="num_fewshot")
-    harness.add_argument("--limit", type=_count(0, "0 = all"), default=0,
+    harness.add_argument("--shots", type=count(0), default=None, help="num_fewshot")
+    harness.add_argument("--limit", type=count(0, "0 = all"), default=0,
                          help="examples per task; 0 = all")
     harness.set_defaults(func=_harness)
 
@@ -284,7 +268,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen = subparsers.add_parser("generate", help="continue a prompt (KV-cached decoding)")
     _add_model_args(gen)
     gen.add_argument("--prompt", required=True, help="text to continue")
-    gen.add_argument("--max-new-tokens", type=_count(0), default=64)
+    gen.add_argument("--max-new-tokens", type=count(0), default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=None)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from densetrain.cli.argtypes import count, number
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``plan`` sub-command to ``subparsers``."""
@@ -25,32 +27,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="preset name (e.g. llama3-8b) or a TOML/JSON file of ModelConfig fields "
                    "(top level or a [model] table); with --flops, the base whose non-size "
                    "fields are kept (default llama3-8b)")
-    p.add_argument("--flops", type=float, default=None,
+    p.add_argument("--flops", type=number(above=0), default=None,
                    help="training budget in FLOPs: plan a compute-optimal run")
-    p.add_argument("--inference-tokens", type=float, default=0.0,
+    p.add_argument("--inference-tokens", type=number(at_least=0), default=0.0,
                    help="with --flops: expected lifetime inference tokens; --flops is then the "
                    "training + inference budget and the plan is the over-trained run "
                    "(Sardana et al. 2024)")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
+    p.add_argument("--seq-len", type=count(1), default=4096)
+    p.add_argument("--global-batch", type=count(1), default=1024, help="sequences per step")
     p.add_argument("--cluster", default="h100-80gb", help="built-in or custom cluster name")
     p.add_argument("--cluster-file", default=None, help="TOML/JSON file of custom clusters")
-    p.add_argument("--devices", type=int, default=None, help="number of accelerators")
+    p.add_argument("--devices", type=count(1), default=None, help="number of accelerators")
     p.add_argument("--precision", default="bf16-mixed",
                    help="bf16-mixed (ZeRO paper's 2+2+12 bytes), fsdp2-bf16, fp32")
-    p.add_argument("--efficiency", type=float, default=None,
+    p.add_argument("--efficiency", type=number(above=0, at_most=1), default=None,
                    help="share of peak FLOP/s a large GEMM reaches (default: the cluster's "
                    "measured figure)")
     p.add_argument("--no-flash", action="store_true",
                    help="attention stores the s x s scores (no FlashAttention)")
-    p.add_argument("--max-tp", type=int, default=64)
-    p.add_argument("--max-cp", type=int, default=16)
-    p.add_argument("--top", type=int, default=10, help="rows of the ranked table")
+    p.add_argument("--max-tp", type=count(1, "1 = no tensor-parallel split"), default=64)
+    p.add_argument("--max-cp", type=count(1, "1 = no context-parallel split"), default=16)
+    p.add_argument("--top", type=count(1), default=10, help="rows of the ranked table")
     p.add_argument("--list-clusters", action="store_true", help="print the cluster table")
     p.add_argument("--calibrate", default=None, metavar="OUT.toml",
                    help="measure this machine (GEMM sweep, memory bandwidth, gloo all-reduce "
                    "between local ranks) and write it as cluster 'this-machine'")
-    p.add_argument("--calibrate-ranks", type=int, default=None,
+    p.add_argument("--calibrate-ranks", type=count(2, "collectives need two processes"),
+                   default=None,
                    help="local processes for the collective measurement (default 2)")
     p.add_argument("--emit-config", default=None, metavar="OUT.toml",
                    help="write the winner as a job config that `densetrain train OUT.toml` runs")

@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from densetrain.cli.argtypes import count, number
+
 
 def _float_list(text: str) -> list[float]:
     try:
@@ -37,28 +39,29 @@ def _register_sweep(sub) -> None:
     from densetrain.scaling.sweep import SweepConfig
 
     d = SweepConfig(budgets=[1.0])  # defaults live in one place: the dataclass
-    p.add_argument("--sizes-per-budget", type=int, default=d.sizes_per_budget)
-    p.add_argument("--n-span", type=float, default=d.n_span,
+    p.add_argument("--sizes-per-budget", type=count(3, "a parabola needs 3 points"),
+                   default=d.sizes_per_budget)
+    p.add_argument("--n-span", type=number(above=1), default=d.n_span,
                    help="largest/smallest N per budget")
-    p.add_argument("--tokens-per-param", type=float, default=d.tokens_per_param,
+    p.add_argument("--tokens-per-param", type=number(above=0), default=d.tokens_per_param,
                    help="centre of the N range: N = sqrt(C / (6 tokens_per_param))")
     p.add_argument("--param-count", choices=("non_embedding", "total"), default=d.param_count,
                    help="what N counts (default: all parameters, as Chinchilla)")
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--batch-size", type=int, default=d.global_batch_size,
+    p.add_argument("--seq-len", type=count(1), default=d.seq_len)
+    p.add_argument("--batch-size", type=count(1), default=d.global_batch_size,
                    help="global batch in sequences")
-    p.add_argument("--micro-batch-size", type=int, default=None)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--vocab-size", type=int, default=d.vocab_size,
+    p.add_argument("--micro-batch-size", type=count(1), default=None)
+    p.add_argument("--lr", type=number(above=0), default=d.lr)
+    p.add_argument("--vocab-size", type=count(1), default=d.vocab_size,
                    help="data.default_vocab_size")
-    p.add_argument("--min-steps", type=int, default=d.min_steps)
+    p.add_argument("--min-steps", type=count(1), default=d.min_steps)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--preset", default=d.preset)
     p.add_argument("--launcher", choices=("local", "torchrun", "slurm"), default="local")
-    p.add_argument("--nproc-per-node", type=int, default=1)
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--jobs", type=int, default=1, help="local runs at a time")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--nproc-per-node", type=count(1), default=1)
+    p.add_argument("--nnodes", type=count(1), default=1)
+    p.add_argument("--jobs", type=count(1), default=1, help="local runs at a time")
+    p.add_argument("--threads", type=count(1), default=None,
                    help="OMP_NUM_THREADS of each run (default: inherited)")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--keep-going", action="store_true", help="continue after a failed run")
@@ -116,7 +119,7 @@ def _register_fit(sub) -> None:
     p.add_argument("--out", default=None, help="directory for fit.json and plots "
                    "(default: beside the CSV)")
     p.add_argument("--bootstrap", type=int, default=100, help="bootstrap resamples for CIs")
-    p.add_argument("--max-starts", type=int, default=64,
+    p.add_argument("--max-starts", type=count(0, "0 = the whole grid"), default=64,
                    help="L-BFGS starts from the best grid points (0 = the whole grid)")
     p.add_argument("--flops", type=_float_list, default=None,
                    help="budgets at which to print N_opt and D_opt (default: the table's "
@@ -160,11 +163,11 @@ def _register_optimal(sub) -> None:
     p = sub.add_parser("optimal", help="print compute-optimal N and D for a FLOP budget or a "
                        "target loss, optionally counting an inference budget")
     goal = p.add_mutually_exclusive_group(required=True)
-    goal.add_argument("--flops", type=float, help="FLOP budget C (training, plus inference "
-                      "when --inference-tokens is given)")
-    goal.add_argument("--target-loss", type=float,
+    goal.add_argument("--flops", type=number(above=0), help="FLOP budget C (training, plus "
+                      "inference when --inference-tokens is given)")
+    goal.add_argument("--target-loss", type=number(above=0),
                       help="loss to reach at the least training + inference FLOPs")
-    p.add_argument("--inference-tokens", type=float, default=0.0,
+    p.add_argument("--inference-tokens", type=number(at_least=0), default=0.0,
                    help="tokens the model will process at inference over its life (2N FLOPs "
                    "each; Sardana et al. 2024). Default 0: Chinchilla's training-only optimum")
     p.add_argument("--fit", default=None,

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -28,6 +29,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, published as tomli
 from densetrain.config.coerce import coerce, coerce_dataclass, unknown_key_message
 from densetrain.config.job import JobConfig
 from densetrain.config.sections import TrainingConfig
+from densetrain.errors import UserError
 from densetrain.optim.config import OptimConfig, ScheduleConfig
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -321,20 +323,40 @@ def _toml_key(key: Any) -> str:
     return key if _BARE_KEY.match(key) else json.dumps(key, ensure_ascii=False)
 
 
+def _unwritable(target: Path, error: OSError) -> Exception:
+    """``error`` of writing ``target`` (or its temporary sibling), told of ``target``: a full or
+    read-only disk keeps its errno (the CLI names those), anything else says why."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        return OSError(error.errno, error.strerror, str(target))
+    parent = next((p for p in target.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        why = f"{parent} is a file, not a directory"
+    else:
+        why = error.strerror or str(error)
+    return UserError(f"{target} cannot be written: {why}")
+
+
 def save_job_config(job: JobConfig, path: str | os.PathLike) -> Path:
     """Write ``job_config_to_toml(job)`` to ``path`` atomically (temporary file, then rename)."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile(
-        "w", encoding="utf-8", dir=target.parent, prefix=f".{target.name}.", suffix=".tmp",
-        delete=False,
-    )
+    text = job_config_to_toml(job)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle = tempfile.NamedTemporaryFile(
+            "w", encoding="utf-8", dir=target.parent, prefix=f".{target.name}.", suffix=".tmp",
+            delete=False,
+        )
+    except OSError as error:  # named as the file asked for, not its temporary sibling
+        raise _unwritable(target, error) from error
     try:
         with handle:
-            handle.write(job_config_to_toml(job))
+            handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(handle.name, target)
+    except OSError as error:
+        Path(handle.name).unlink(missing_ok=True)
+        raise _unwritable(target, error) from error
     except BaseException:
         Path(handle.name).unlink(missing_ok=True)
         raise

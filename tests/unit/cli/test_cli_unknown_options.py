@@ -71,8 +71,41 @@ def test_shard_size_must_be_a_number_above_zero(capsys, tmp_path, command, value
     (["eval", "tasks", "m", "--task", "x", "--limit", "1.5"], "--limit", ">= 0 (0 = all)"),
     (["eval", "harness", "m", "--tasks", "x", "--shots", "-2"], "--shots", ">= 0"),
     (["generate", "m", "--prompt", "x", "--max-new-tokens", "-1"], "--max-new-tokens", ">= 0"),
+    (["plan", "--model", "gpt2-124m", "--devices", "0"], "--devices", ">= 1"),
+    (["plan", "--model", "gpt2-124m", "--devices", "8", "--top", "0"], "--top", ">= 1"),
+    (["plan", "--model", "gpt2-124m", "--devices", "8", "--max-tp", "0"], "--max-tp",
+     ">= 1 (1 = no tensor-parallel split)"),
+    (["plan", "--model", "gpt2-124m", "--devices", "8", "--seq-len", "x"], "--seq-len", ">= 1"),
+    (["plan", "--calibrate", "c.toml", "--calibrate-ranks", "1"], "--calibrate-ranks",
+     ">= 2 (collectives need two processes)"),
+    # accepted before, and passed on to every run of the sweep
+    (["scaling", "sweep", "--out", "s", "--dry-run", "--threads", "0"], "--threads", ">= 1"),
+    (["scaling", "sweep", "--out", "s", "--dry-run", "--nnodes", "0"], "--nnodes", ">= 1"),
+    (["scaling", "sweep", "--out", "s", "--dry-run", "--nproc-per-node", "0"],
+     "--nproc-per-node", ">= 1"),
+    (["scaling", "sweep", "--out", "s", "--dry-run", "--micro-batch-size", "0"],
+     "--micro-batch-size", ">= 1"),
+    (["scaling", "sweep", "--out", "s", "--sizes-per-budget", "2"], "--sizes-per-budget",
+     ">= 3 (a parabola needs 3 points)"),
 ])
 def test_eval_and_generate_counts_are_refused_by_the_parser(capsys, argv, flag, allowed):
     # Refused before any model is read (the model path here does not exist).
     line = _error(capsys, argv)
     assert f"error: argument {flag}: must be an integer {allowed}, got '{argv[-1]}'" in line
+
+
+@pytest.mark.parametrize("argv, flag, allowed", [
+    (["plan", "--model", "gpt2-124m", "--devices", "8", "--efficiency", "2"], "--efficiency",
+     "above 0 and at most 1"),
+    (["plan", "--model", "gpt2-124m", "--devices", "8", "--efficiency", "nan"], "--efficiency",
+     "above 0 and at most 1"),
+    (["plan", "--devices", "8", "--flops", "-1"], "--flops", "above 0"),
+    (["plan", "--flops", "1e21", "--devices", "8", "--inference-tokens", "-5"],
+     "--inference-tokens", "at least 0"),
+    (["scaling", "optimal", "--flops", "-3"], "--flops", "above 0"),
+    (["scaling", "sweep", "--out", "s", "--n-span", "0.5"], "--n-span", "above 1"),
+    (["scaling", "sweep", "--out", "s", "--lr", "nan"], "--lr", "above 0"),
+])
+def test_plan_numbers_are_refused_by_the_parser(capsys, argv, flag, allowed):
+    line = _error(capsys, argv)
+    assert f"error: argument {flag}: must be a finite number {allowed}, got '{argv[-1]}'" in line

@@ -24,9 +24,11 @@ def test_cli_refuses_one_rank_before_measuring_and_writes_nothing(tmp_path, caps
     from densetrain.cli.main import main
 
     out = tmp_path / "machine.toml"
-    assert main(["plan", "--calibrate", str(out), "--calibrate-ranks", "1"]) != 0
+    with pytest.raises(SystemExit) as refused:  # by the parser, before any measurement
+        main(["plan", "--calibrate", str(out), "--calibrate-ranks", "1"])
+    assert refused.value.code == 2
     err = capsys.readouterr().err
-    assert "--calibrate-ranks must be >= 2" in err and "Traceback" not in err
+    assert "argument --calibrate-ranks: must be an integer >= 2" in err and "Traceback" not in err
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from densetrain.cli.main import main
 from densetrain.scaling.results import write_results_csv
 
@@ -13,8 +15,10 @@ def test_optimal_prints_chinchilla_40b(capsys):
 
 
 def test_optimal_rejects_bad_budget(capsys):
-    assert main(["scaling", "optimal", "--flops", "-3"]) == 2
-    assert "flops must be" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:
+        main(["scaling", "optimal", "--flops", "-3"])
+    assert refused.value.code == 2
+    assert "argument --flops: must be a finite number above 0" in capsys.readouterr().err
 
 
 def test_fit_writes_report_json_and_plots(tmp_path, capsys, make_isoflop_rows):

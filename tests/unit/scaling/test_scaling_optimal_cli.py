@@ -68,12 +68,18 @@ def test_scaling_optimal_target_loss(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--target-loss", "1.5"], "target loss 1.5 must be above the law's irreducible loss E"),
-    (["--flops", "1e22", "--inference-tokens", "-1"], "inference_tokens must be >= 0"),
-    (["--flops", "1e22", "--inference-tokens", "nan"], "inference_tokens must be a finite"),
-    (["--flops", "inf"], "flops must be a finite number > 0"),
+    (["--flops", "1e22", "--inference-tokens", "-1"],
+     "argument --inference-tokens: must be a finite number at least 0, got '-1'"),
+    (["--flops", "1e22", "--inference-tokens", "nan"],
+     "argument --inference-tokens: must be a finite number at least 0, got 'nan'"),
+    (["--flops", "inf"], "argument --flops: must be a finite number above 0, got 'inf'"),
 ])
 def test_scaling_optimal_bad_input(capsys, argv, message):
-    assert main(["scaling", "optimal", *argv]) == 2
+    try:  # the parser's refusals exit 2 as SystemExit, the command's return 2
+        code = main(["scaling", "optimal", *argv])
+    except SystemExit as refused:
+        code = refused.code
+    assert code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
 
