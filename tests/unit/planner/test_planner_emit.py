@@ -21,3 +21,16 @@ def test_the_emitted_job_runs_the_chunked_output_head_the_plan_assumed():
     job = plan_job(result.cfg, result.layout(0), seq_len=32, global_batch=16)
     assert job.training.loss_chunk_size > 0
     assert load_job_config(None).training.loss_chunk_size > 0
+
+
+def test_emit_config_that_cannot_be_written_names_the_path_and_why(tmp_path, capsys):
+    from densetrain.cli.main import main
+
+    (tmp_path / "afile").write_text("x")
+    target = tmp_path / "afile" / "job.toml"
+    assert main(["plan", "--model", "gpt2-124m", "--devices", "8", "--emit-config",
+                 str(target)]) == 2
+    err = capsys.readouterr().err
+    assert f"{target} cannot be written: {tmp_path / 'afile'} is a file, not a directory" in err
+    assert ".tmp" not in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
