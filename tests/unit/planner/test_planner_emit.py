@@ -28,8 +28,8 @@ def test_emit_config_that_cannot_be_written_names_the_path_and_why(tmp_path, cap
 
     (tmp_path / "afile").write_text("x")
     target = tmp_path / "afile" / "job.toml"
-    assert main(["plan", "--model", "gpt2-124m", "--devices", "8", "--emit-config",
-                 str(target)]) == 2
+    assert main(["plan", "--model", "gpt2-124m", "--devices", "8", "--seq-len", "1024",
+                 "--emit-config", str(target)]) == 2
     err = capsys.readouterr().err
     assert f"{target} cannot be written: {tmp_path / 'afile'} is a file, not a directory" in err
     assert ".tmp" not in err and "Traceback" not in err
