@@ -8,6 +8,7 @@ import re
 import sys
 from pathlib import Path
 
+from densetrain.cli.argtypes import count
 from densetrain.errors import UserError
 
 # The fields of PrepareConfig / MinHashConfig that `data prepare` sets, as its flags, so that a
@@ -293,7 +294,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     insp = data_sub.add_parser("inspect", help="counts, token statistics, a decoded sample")
     insp.add_argument("path", help="prepared dataset directory")
     insp.add_argument("--split", default="train")
-    insp.add_argument("--sample-tokens", type=int, default=200)
+    insp.add_argument("--sample-tokens", type=count(0, "0: none shown"), default=200)
     insp.add_argument("--json", action="store_true", help="print JSON")
     insp.set_defaults(func=_inspect)
 

@@ -160,8 +160,6 @@ CASES = [
      ["*.md", "matches no files"]),
     ("prepare-existing-dataset", "data prepare {ws}/raw -o {ws}/ds --tokenizer {tok}",
      ["already a prepared dataset", "--overwrite"]),
-    ("inspect-negative-sample", "data inspect {ws}/ds --sample-tokens -1",
-     ["sample_tokens must be an integer >= 0", "-1"]),
     ("inspect-missing-dir", "data inspect {ws}/nodir", ["nodir", "does not exist"]),
     ("verify-swapped-shard", "data verify {ws}/ds_swapped", ["00000.bin", "does not match"]),
     ("tokenizer-empty-corpus", "data train-tokenizer {ws}/empty.txt -o {out}/tokenizer.json "

@@ -71,6 +71,7 @@ def test_shard_size_must_be_a_number_above_zero(capsys, tmp_path, command, value
     (["eval", "tasks", "m", "--task", "x", "--limit", "1.5"], "--limit", ">= 0 (0 = all)"),
     (["eval", "harness", "m", "--tasks", "x", "--shots", "-2"], "--shots", ">= 0"),
     (["generate", "m", "--prompt", "x", "--max-new-tokens", "-1"], "--max-new-tokens", ">= 0"),
+    (["data", "inspect", "ds", "--sample-tokens", "-1"], "--sample-tokens", ">= 0 (0: none shown)"),
     (["plan", "--model", "gpt2-124m", "--devices", "0"], "--devices", ">= 1"),
     (["plan", "--model", "gpt2-124m", "--devices", "8", "--top", "0"], "--top", ">= 1"),
     (["plan", "--model", "gpt2-124m", "--devices", "8", "--max-tp", "0"], "--max-tp",
