@@ -71,7 +71,7 @@ def _load_model(spec: str):
             raise ValueError(f"--model: file {spec} does not exist")
         import json
 
-        from densetrain.config.coerce import coerce_dataclass, tomllib
+        from densetrain.coerce import coerce_dataclass, tomllib
 
         try:
             text = path.read_text(encoding="utf-8")
@@ -162,8 +162,10 @@ def run_plan_command(args: argparse.Namespace) -> int:
                       devices=args.devices, cluster=cluster, settings=settings, space=space)
         if args.flops is not None:
             base = _load_model(args.model or "llama3-8b")
-            plan = plan_run(args.flops, base=base, inference_tokens=args.inference_tokens,
-                            **common)
+            from densetrain.scaling.optimal import allocation
+
+            plan = plan_run(allocation(args.flops, inference_tokens=args.inference_tokens),
+                            base=base, **common)
             print(format_run_plan(plan))
             print()
             print(full_report(plan.layout_plan, top=args.top))

@@ -26,7 +26,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the same parser, published as tomli
     import tomli as tomllib
 
-from densetrain.config.coerce import coerce, coerce_dataclass, unknown_key_message
+from densetrain.coerce import coerce, coerce_dataclass, unknown_key_message
 from densetrain.config.job import JobConfig
 from densetrain.config.sections import TrainingConfig
 from densetrain.errors import UserError

@@ -279,7 +279,7 @@ class ModelConfig:
         object of its own fields or null), then the ranges of ``validate``. ``UserError``
         (a ``ValueError``) names the field, prefixed with ``source`` (the file) when given.
         """
-        from densetrain.config.coerce import coerce_dataclass
+        from densetrain.coerce import coerce_dataclass
         from densetrain.errors import UserError
 
         where = f"{source}: " if source else ""

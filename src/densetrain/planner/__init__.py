@@ -18,7 +18,7 @@ from densetrain.planner.hardware import (
 )
 from densetrain.planner.layout import PRECISIONS, Layout, PlanSettings
 from densetrain.planner.report import full_report
-from densetrain.planner.run_plan import RunPlan, plan_run
+from densetrain.planner.run_plan import Allocation, RunPlan, plan_run
 from densetrain.planner.search import (
     NoFeasibleLayoutError,
     PlanResult,
@@ -29,6 +29,7 @@ from densetrain.planner.search import (
 
 __all__ = [
     "BUILTIN_CLUSTERS",
+    "Allocation",
     "PRECISIONS",
     "ClusterSpec",
     "Layout",

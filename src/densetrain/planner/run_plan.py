@@ -1,6 +1,8 @@
 """From a FLOP budget to a run plan: compute-optimal N and D, a model shape, a layout, days.
 
-N_opt and D_opt come from ``densetrain.scaling.optimal`` (Chinchilla's approach-3 closed form).
+N_opt and D_opt come in as an `Allocation`, which ``densetrain.scaling.optimal.allocation``
+computes (Chinchilla's approach-3 closed form; the caller passes it because the planner sits
+below ``scaling``, which imports it).
 The shape keeps everything but the sizes from a base preset (LLaMA 3 by default) and picks
 width and depth near the aspect ratio dim / num_layers = 128 of LLaMA 3 8B/405B (Kaplan et al.
 2020, sec. 3.1, find loss flat over a wide range of it), with 128-wide heads and a SwiGLU hidden
@@ -23,6 +25,18 @@ HEAD_DIM = 128
 TARGET_ASPECT = 128.0
 
 
+@dataclass(frozen=True, kw_only=True)
+class Allocation:
+    """A FLOP budget split into parameters and tokens, and the law (with its constants) that
+    split it; with ``inference_tokens`` the budget is training plus inference."""
+
+    flops: float
+    num_params: float
+    num_tokens: float
+    law: str
+    inference_tokens: float = 0.0
+
+
 @dataclass(kw_only=True)
 class RunPlan:
     """A compute-optimal run: model, tokens, the best layout and its predicted duration."""
@@ -40,20 +54,6 @@ class RunPlan:
     def training_days(self) -> float:
         """Wall-clock days to train on ``num_tokens`` at the winner's predicted tokens/s."""
         return self.num_tokens / self.layout_plan.row(0)["tokens_per_s"] / 86400.0
-
-
-def compute_optimal_allocation(flops: float, *, inference_tokens: float = 0.0
-                               ) -> tuple[float, float, str]:
-    """(N_opt, D_opt, the law and constants used) for budget ``flops``.
-
-    The same function as ``densetrain scaling optimal`` (``scaling.optimal.compute_optimal``,
-    Chinchilla's unrounded approach 3 constants); with ``inference_tokens`` the budget is
-    training plus inference (Sardana et al. 2024).
-    """
-    from densetrain.scaling.optimal import compute_optimal
-
-    choice = compute_optimal(flops, inference_tokens=inference_tokens)
-    return choice.num_params, choice.num_tokens, f"{choice.law.describe()}; {choice.method}"
 
 
 def _shape(base: ModelConfig, dim: int, num_layers: int) -> ModelConfig:
@@ -88,21 +88,19 @@ def shape_for_params(num_params: float, base: ModelConfig) -> ModelConfig:
     return best[1]
 
 
-def plan_run(flops: float, *, base: ModelConfig, seq_len: int, global_batch: int, devices: int,
-             cluster: ClusterSpec, settings: PlanSettings | None = None,
-             space: SearchSpace | None = None, inference_tokens: float = 0.0) -> RunPlan:
-    """Chain compute-optimal N and D to the layout search (``NoFeasibleLayoutError`` if none).
-
-    With ``inference_tokens``, ``flops`` is the lifetime budget (training + 2·N per inference
-    token) and the plan is the over-trained run of ``compute_optimal_allocation``.
-    """
-    n_opt, d_opt, law = compute_optimal_allocation(flops, inference_tokens=inference_tokens)
-    cfg = shape_for_params(n_opt, base).replace(max_seq_len=max(seq_len, base.max_seq_len))
+def plan_run(allocation: Allocation, *, base: ModelConfig, seq_len: int, global_batch: int,
+             devices: int, cluster: ClusterSpec, settings: PlanSettings | None = None,
+             space: SearchSpace | None = None) -> RunPlan:
+    """Chain a compute-optimal N and D (``scaling.optimal.allocation``) to the layout search
+    (``NoFeasibleLayoutError`` if none)."""
+    cfg = shape_for_params(allocation.num_params, base).replace(
+        max_seq_len=max(seq_len, base.max_seq_len))
     result = search(cfg, seq_len=seq_len, global_batch=global_batch, devices=devices,
                     cluster=cluster, settings=settings, space=space or SearchSpace())
-    return RunPlan(flops=flops, target_params=n_opt, num_tokens=d_opt, cfg=cfg,
+    return RunPlan(flops=allocation.flops, target_params=allocation.num_params,
+                   num_tokens=allocation.num_tokens, cfg=cfg,
                    num_params=sizing_module().param_counts(cfg).total, layout_plan=result,
-                   law=law, inference_tokens=inference_tokens)
+                   law=allocation.law, inference_tokens=allocation.inference_tokens)
 
 
 def format_run_plan(plan: RunPlan) -> str:

@@ -175,3 +175,15 @@ def compute_optimal(flops: float, *, law: NamedLaw | None = None,
     return OptimalChoice(flops=float(flops), num_params=n, num_tokens=d,
                          inference_tokens=tokens, training_flops=train, inference_flops=infer,
                          loss=float(named.law.loss(n, d)), law=named, method=method)
+
+
+def allocation(flops: float, *, inference_tokens: float = 0.0):
+    """`compute_optimal` as the planner's ``Allocation`` (``densetrain plan --flops``): N_opt,
+    D_opt and the law with its constants, Chinchilla's unrounded approach 3 by default."""
+    from densetrain.planner.run_plan import Allocation
+
+    choice = compute_optimal(flops, inference_tokens=inference_tokens)
+    return Allocation(flops=float(flops), num_params=choice.num_params,
+                      num_tokens=choice.num_tokens,
+                      law=f"{choice.law.describe()}; {choice.method}",
+                      inference_tokens=choice.inference_tokens)

@@ -8,7 +8,8 @@ from densetrain.cli.main import main
 from densetrain.models.presets import get_preset, list_presets
 from densetrain.models.sizing import param_counts
 from densetrain.planner.hardware import get_cluster
-from densetrain.planner.run_plan import compute_optimal_allocation, plan_run, shape_for_params
+from densetrain.planner.run_plan import plan_run, shape_for_params
+from densetrain.scaling.optimal import allocation
 
 
 @pytest.mark.parametrize("target", [1e9, 7e10, 4e11])
@@ -20,9 +21,10 @@ def test_shape_for_params_is_within_five_percent(target):
 
 def test_run_plan_chains_optimal_n_d_to_the_search():
     flops = 1e23
-    n_opt, d_opt, _ = compute_optimal_allocation(flops)
+    split = allocation(flops)
+    n_opt, d_opt = split.num_params, split.num_tokens
     assert 6 * n_opt * d_opt == pytest.approx(flops, rel=0.02)  # C = 6 N D
-    plan = plan_run(flops, base=get_preset("llama3-8b"), seq_len=4096, global_batch=512,
+    plan = plan_run(split, base=get_preset("llama3-8b"), seq_len=4096, global_batch=512,
                     devices=256, cluster=get_cluster("h100"))
     assert abs(plan.num_params / n_opt - 1) <= 0.05
     tokens_per_s = plan.layout_plan.row(0)["tokens_per_s"]

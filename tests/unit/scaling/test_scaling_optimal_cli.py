@@ -6,17 +6,17 @@ import json
 import pytest
 
 from densetrain.cli.main import main
-from densetrain.planner.run_plan import compute_optimal_allocation
 from densetrain.scaling.inference import min_cost_for_loss, min_loss_for_budget
 from densetrain.scaling.laws import CHINCHILLA_UNROUNDED
-from densetrain.scaling.optimal import chinchilla_optimal
+from densetrain.scaling.optimal import allocation, chinchilla_optimal
 
 CONSTANTS = "E=1.6934, A=406.4, B=410.7, alpha=0.3392, beta=0.2849"
 
 
 def test_plan_and_scaling_optimal_share_the_unrounded_law():
     # Hoffmann et al. 2022, Figure 4: ~40B at the Gopher budget 5.76e23 by approach 3.
-    n_opt, d_opt, law = compute_optimal_allocation(5.76e23)
+    split = allocation(5.76e23)
+    n_opt, d_opt, law = split.num_params, split.num_tokens, split.law
     closed = chinchilla_optimal(CHINCHILLA_UNROUNDED, 5.76e23)
     assert (n_opt, d_opt) == (closed.num_params, closed.num_tokens)
     assert 39e9 < n_opt < 41e9

@@ -1,4 +1,5 @@
-"""Type coercion of config values from TOML and from command-line strings.
+"""Type coercion of config values from TOML, JSON and command-line strings (below every layer:
+job configs, model configs and the planner's files share it).
 
 Each value is checked against its dataclass annotation: ``int``, ``float``, ``bool``, ``str``,
 ``list[...]``, ``dict``, nested dataclasses and ``X | None``. Strings (from the command line)
