@@ -159,6 +159,7 @@ def test_eval_loading_refuses_a_malicious_training_checkpoint(tmp_path):
     job = default_job_config()
     job.model.preset = "tiny-llama"
     job.data.tokenizer = tok.path
+    job.data.cache_dir = str(tmp_path / "no-corpus")  # its tokenizer is the job's own
     model = Transformer(job.build_model_config(tok.vocab_size))
     model.init_weights(seed=1)
     step = save_checkpoint(tmp_path / "run" / "checkpoints", 1, {"model": ModelState(model)},

@@ -109,6 +109,7 @@ def _checkpoints(root: Path, tok) -> None:
     job = default_job_config()
     job.model.preset = "tiny-llama"
     job.data.tokenizer = tok.path
+    job.data.cache_dir = str(root / "no-corpus")  # its tokenizer is the job's own
     step = save_checkpoint(root / "run" / "checkpoints", 2, {"model": ModelState(
         _tiny_model(tok.vocab_size))}, config_toml=job_config_to_toml(job))
     shutil.copytree(step, root / "ckpt_trunc")

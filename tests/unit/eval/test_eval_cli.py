@@ -91,6 +91,7 @@ def test_hf_directory_loads_with_its_tokenizer(hf_pair):
 def test_training_checkpoint_loads_from_run_or_step_directory(tokenizer, tmp_path):
     job = default_job_config()
     job.data.tokenizer = tokenizer.path
+    job.data.cache_dir = str(tmp_path / "no-corpus")  # its tokenizer is the job's own
     job.model.preset = "tiny-llama"
     model = Transformer(job.build_model_config(tokenizer.vocab_size))
     model.init_weights(seed=5)
