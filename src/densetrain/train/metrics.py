@@ -187,6 +187,30 @@ def cpu_bf16_warning(device: torch.device, dtype_field: str) -> str | None:
             "or AMX). Use --training.dtype=fp32 here for speed; bf16 still trains correctly.")
 
 
+FLOAT8_TENSOR_CORES = (8, 9)
+"""The first CUDA compute capability with float8 matmul units (Ada, Hopper and later)."""
+
+
+def float8_emulation_warning(device: torch.device, dtype_field: str,
+                             capability: tuple[int, int] | None = None) -> str | None:
+    """The start-up warning of a ``training.dtype=float8`` run where float8 matmuls are
+    emulated (a CPU, a GPU of compute capability below 8.9): correct, but slower than bf16, so
+    a run that chose float8 for speed hears of it at once. ``capability`` is the GPU's
+    (``torch.cuda.get_device_capability``), read here when not given; None elsewhere."""
+    if dtype_field != "float8" or device.type not in ("cpu", "cuda"):
+        return None
+    if device.type == "cuda":
+        capability = capability or torch.cuda.get_device_capability(device)
+        if tuple(capability) >= FLOAT8_TENSOR_CORES:
+            return None
+        where = f"this GPU (compute capability {capability[0]}.{capability[1]}) has"
+    else:
+        where = "a CPU has"
+    return (f"warning: training.dtype=float8 emulates its float8 matmuls here: {where} no "
+            "float8 matmul units (CUDA compute capability 8.9+: L40S, H100, H200, B200), so the "
+            "run is correct but slower than --training.dtype=bf16")
+
+
 PINNED_PEAK_SOURCE = "pinned by logging.peak_tflops"
 
 

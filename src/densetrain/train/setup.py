@@ -23,7 +23,11 @@ from densetrain.parallel.mesh import ParallelMesh
 from densetrain.parallel.model import LaidOutModel
 from densetrain.train.device import autocast_factory, resolve_device, tune_cpu_threads
 from densetrain.train.host_malloc import tune_host_allocator
-from densetrain.train.metrics import cpu_bf16_warning, run_peak_flops
+from densetrain.train.metrics import (
+    cpu_bf16_warning,
+    float8_emulation_warning,
+    run_peak_flops,
+)
 from densetrain.train.state import ModelSizes, Progress, RunParts
 
 
@@ -184,9 +188,10 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
         print(allocator_note, file=sys.stderr, flush=True)
         if threads_note is not None:
             print(threads_note, file=sys.stderr, flush=True)
-        slow_bf16 = cpu_bf16_warning(device, training.dtype)
-        if slow_bf16 is not None:
-            print(slow_bf16, file=sys.stderr, flush=True)
+        for warning in (cpu_bf16_warning(device, training.dtype),
+                        float8_emulation_warning(device, training.dtype)):
+            if warning is not None:
+                print(warning, file=sys.stderr, flush=True)
     parts = RunParts(
         model=model, model_cfg=model_cfg, optimizer=optimizer,
         scheduler=build_lr_scheduler(optimizer.torch_optimizer, job.schedule, training.steps),

@@ -126,3 +126,20 @@ def test_a_torn_last_record_is_left_out_and_dropped_on_resume(tmp_path, capsys) 
     writer.write({"step": 5, "loss": 0.25})
     writer.close()
     assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)][-2:] == [(4, 0.25), (5, 0.25)]
+
+
+def test_float8_where_its_matmuls_are_emulated_is_said_at_start_up() -> None:
+    from densetrain.train.metrics import float8_emulation_warning
+
+    cpu = torch.device("cpu")
+    warning = float8_emulation_warning(cpu, "float8")
+    assert warning.startswith("warning: training.dtype=float8 emulates its float8 matmuls "
+                              "here: a CPU has no float8 matmul units")
+    assert "--training.dtype=bf16" in warning
+    assert float8_emulation_warning(cpu, "bf16") is None
+    # the capability rule on CUDA, given (no GPU is needed to read it): A100 8.0 emulates
+    cuda = torch.device("cuda")
+    assert "compute capability 8.0" in float8_emulation_warning(cuda, "float8", (8, 0))
+    assert float8_emulation_warning(cuda, "float8", (8, 9)) is None
+    assert float8_emulation_warning(cuda, "float8", (9, 0)) is None
+
