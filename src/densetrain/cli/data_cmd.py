@@ -238,8 +238,11 @@ def _register_prepare(data_sub: argparse._SubParsersAction) -> None:
     _add_reading_args(prep)
     prep.add_argument("--output", "-o", required=True, help="output dataset directory")
     prep.add_argument("--tokenizer", required=True, help="tokenizer.json or SentencePiece .model")
-    prep.add_argument("--val-fraction", type=float, default=0.0)
-    prep.add_argument("--shard-tokens", type=int, default=1 << 24)
+    prep.add_argument("--val-fraction", type=float, default=0.0,
+                      help="share of documents held out as the val split, by document hash "
+                      "(default 0)")
+    prep.add_argument("--shard-tokens", type=int, default=1 << 24,
+                      help="tokens per shard file (default %(default)s)")
     prep.add_argument("--exact-dedup", action="store_true", help="drop exact duplicates")
     prep.add_argument("--near-dedup", action="store_true", help="drop MinHash near-duplicates")
     prep.add_argument("--shingle-size", type=int, default=5, help="MinHash word shingle size")
@@ -282,9 +285,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tok = data_sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer.json")
     _add_reading_args(tok)
     tok.add_argument("--output", "-o", required=True, help="path of the tokenizer.json to write")
-    tok.add_argument("--vocab-size", type=int, required=True)
+    tok.add_argument("--vocab-size", type=int, required=True,
+                     help="ids of the tokenizer, special tokens included")
     tok.add_argument("--special-tokens", default="<|bos|>,<|eos|>,<|pad|>", help="BOS,EOS,PAD")
-    tok.add_argument("--min-frequency", type=int, default=2)
+    tok.add_argument("--min-frequency", type=int, default=2,
+                     help="fewest occurrences of a pair to merge (default 2)")
     tok.add_argument("--overwrite", action="store_true",
                      help="replace an existing file at --output")
     tok.set_defaults(func=_train_tokenizer)
@@ -293,8 +298,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     insp = data_sub.add_parser("inspect", help="counts, token statistics, a decoded sample")
     insp.add_argument("path", help="prepared dataset directory")
-    insp.add_argument("--split", default="train")
-    insp.add_argument("--sample-tokens", type=count(0, "0: none shown"), default=200)
+    insp.add_argument("--split", default="train", help="train or val (default train)")
+    insp.add_argument("--sample-tokens", type=count(0, "0: none shown"), default=200,
+                      help="tokens of the decoded sample (default 200; 0: none)")
     insp.add_argument("--json", action="store_true", help="print JSON")
     insp.set_defaults(func=_inspect)
 

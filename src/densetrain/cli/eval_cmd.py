@@ -268,10 +268,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen = subparsers.add_parser("generate", help="continue a prompt (KV-cached decoding)")
     _add_model_args(gen)
     gen.add_argument("--prompt", required=True, help="text to continue")
-    gen.add_argument("--max-new-tokens", type=count(0), default=64)
+    gen.add_argument("--max-new-tokens", type=count(0), default=64,
+                     help="tokens to generate after the prompt (default 64)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None,
+                     help="sample among the k likeliest tokens (needs --temperature > 0)")
+    gen.add_argument("--top-p", type=float, default=None,
+                     help="sample from the smallest set of tokens of probability p (nucleus; "
+                     "needs --temperature > 0)")
     gen.add_argument("--seed", type=int, default=0, help="seed of the sampler")
     gen.add_argument("--num-samples", type=int, default=1, help="completions of the prompt")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")

@@ -33,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="with --flops: expected lifetime inference tokens; --flops is then the "
                    "training + inference budget and the plan is the over-trained run "
                    "(Sardana et al. 2024)")
-    p.add_argument("--seq-len", type=count(1), default=4096)
+    p.add_argument("--seq-len", type=count(1), default=4096,
+                   help="tokens per sequence (default 4096)")
     p.add_argument("--global-batch", type=count(1), default=1024, help="sequences per step")
     p.add_argument("--cluster", default="h100-80gb", help="built-in or custom cluster name")
     p.add_argument("--cluster-file", default=None, help="TOML/JSON file of custom clusters")
@@ -45,8 +46,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "measured figure)")
     p.add_argument("--no-flash", action="store_true",
                    help="attention stores the s x s scores (no FlashAttention)")
-    p.add_argument("--max-tp", type=count(1, "1 = no tensor-parallel split"), default=64)
-    p.add_argument("--max-cp", type=count(1, "1 = no context-parallel split"), default=16)
+    p.add_argument("--max-tp", type=count(1, "1 = no tensor-parallel split"), default=64,
+                   help="largest tensor-parallel degree searched (default 64)")
+    p.add_argument("--max-cp", type=count(1, "1 = no context-parallel split"), default=16,
+                   help="largest context-parallel degree searched (default 16)")
     p.add_argument("--top", type=count(1), default=10, help="rows of the ranked table")
     p.add_argument("--list-clusters", action="store_true", help="print the cluster table")
     p.add_argument("--calibrate", default=None, metavar="OUT.toml",

@@ -40,26 +40,36 @@ def _register_sweep(sub) -> None:
 
     d = SweepConfig(budgets=[1.0])  # defaults live in one place: the dataclass
     p.add_argument("--sizes-per-budget", type=count(3, "a parabola needs 3 points"),
-                   default=d.sizes_per_budget)
+                   default=d.sizes_per_budget,
+                   help="model sizes per budget (default %(default)s)")
     p.add_argument("--n-span", type=number(above=1), default=d.n_span,
                    help="largest/smallest N per budget")
     p.add_argument("--tokens-per-param", type=number(above=0), default=d.tokens_per_param,
                    help="centre of the N range: N = sqrt(C / (6 tokens_per_param))")
     p.add_argument("--param-count", choices=("non_embedding", "total"), default=d.param_count,
                    help="what N counts (default: all parameters, as Chinchilla)")
-    p.add_argument("--seq-len", type=count(1), default=d.seq_len)
+    p.add_argument("--seq-len", type=count(1), default=d.seq_len,
+                   help="tokens per sequence (default %(default)s)")
     p.add_argument("--batch-size", type=count(1), default=d.global_batch_size,
                    help="global batch in sequences")
-    p.add_argument("--micro-batch-size", type=count(1), default=None)
-    p.add_argument("--lr", type=number(above=0), default=d.lr)
+    p.add_argument("--micro-batch-size", type=count(1), default=None,
+                   help="sequences per forward pass (default: the whole batch)")
+    p.add_argument("--lr", type=number(above=0), default=d.lr,
+                   help="peak learning rate of every run (default %(default)s)")
     p.add_argument("--vocab-size", type=count(1), default=d.vocab_size,
                    help="data.default_vocab_size")
-    p.add_argument("--min-steps", type=count(1), default=d.min_steps)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--preset", default=d.preset)
-    p.add_argument("--launcher", choices=("local", "torchrun", "slurm"), default="local")
-    p.add_argument("--nproc-per-node", type=count(1), default=1)
-    p.add_argument("--nnodes", type=count(1), default=1)
+    p.add_argument("--min-steps", type=count(1), default=d.min_steps,
+                   help="fewest optimizer steps of a run (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="training seed of every run (default %(default)s)")
+    p.add_argument("--preset", default=d.preset,
+                   help="preset whose non-size fields every run keeps (default %(default)s)")
+    p.add_argument("--launcher", choices=("local", "torchrun", "slurm"), default="local",
+                   help="how each run starts (default local)")
+    p.add_argument("--nproc-per-node", type=count(1), default=1,
+                   help="processes per node of each run (torchrun, slurm)")
+    p.add_argument("--nnodes", type=count(1), default=1,
+                   help="nodes of each run (torchrun, slurm)")
     p.add_argument("--jobs", type=count(1), default=1, help="local runs at a time")
     p.add_argument("--threads", type=count(1), default=None,
                    help="OMP_NUM_THREADS of each run (default: inherited)")
@@ -102,7 +112,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 def _register_collect(sub) -> None:
     p = sub.add_parser("collect", help="collect finished runs of a sweep into results.csv")
     p.add_argument("sweep_dir")
-    p.add_argument("--loss-field", default="final_val_loss")
+    p.add_argument("--loss-field", default="final_val_loss",
+                   help="summary.json field to collect (default final_val_loss)")
     p.set_defaults(func=_cmd_collect)
 
 
@@ -127,7 +138,7 @@ def _register_fit(sub) -> None:
     p.add_argument("--isoflop-window", type=int, default=None,
                    help="fit each IsoFLOP parabola to the K runs nearest the budget's lowest "
                    "loss (default: all runs of the budget)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resamples")
     p.set_defaults(func=_cmd_fit)
 
 

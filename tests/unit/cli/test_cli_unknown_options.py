@@ -110,3 +110,22 @@ def test_eval_and_generate_counts_are_refused_by_the_parser(capsys, argv, flag, 
 def test_plan_numbers_are_refused_by_the_parser(capsys, argv, flag, allowed):
     line = _error(capsys, argv)
     assert f"error: argument {flag}: must be a finite number {allowed}, got '{argv[-1]}'" in line
+
+
+def test_every_option_of_every_command_has_help_text():
+    import argparse
+
+    from densetrain.cli.main import build_parser
+
+    bare = []
+
+    def walk(parser: argparse.ArgumentParser, path: list[str]) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, [*path, name])
+            elif action.option_strings and not action.help:
+                bare.append(f"{' '.join(path)} {action.option_strings[-1]}")
+
+    walk(build_parser(), ["densetrain"])
+    assert bare == []
