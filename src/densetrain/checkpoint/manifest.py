@@ -148,12 +148,20 @@ def check_sizes(checkpoint: Path, manifest: dict[str, Any]) -> list[Damage]:
     listed = manifest["files"]
     for name, entry in sorted(listed.items()):
         path = checkpoint / name
-        if not path.is_file():
+        try:
+            size = path.stat().st_size if path.is_file() else None
+        except OSError:  # removed between the two looks (a concurrent prune)
+            size = None
+        if size is None:
             damage.append(Damage(file=name, problem="missing"))
-        elif path.stat().st_size != entry["bytes"]:
-            damage.append(Damage(file=name, problem=f"{path.stat().st_size} bytes, the manifest "
-                                 f"says {entry['bytes']} (truncated or overwritten)"))
-    for name in checkpoint_files(checkpoint):
+        elif size != entry["bytes"]:
+            damage.append(Damage(file=name, problem=f"{size} bytes, the manifest says "
+                                 f"{entry['bytes']} (truncated or overwritten)"))
+    try:
+        present = checkpoint_files(checkpoint)
+    except OSError:  # the directory itself was removed meanwhile
+        return damage or [Damage(file=".", problem="the checkpoint directory is gone")]
+    for name in present:
         if name not in listed:
             damage.append(Damage(file=name, problem="not listed in the manifest"))
     return damage
@@ -162,7 +170,22 @@ def check_sizes(checkpoint: Path, manifest: dict[str, Any]) -> list[Damage]:
 def check_hashes(checkpoint: Path, manifest: dict[str, Any], names: list[str]) -> list[Damage]:
     """Files among ``names`` whose SHA-256 differs from the manifest's (sizes already match)."""
     damage = []
-    for digest in digest_files(checkpoint, names):
+
+    def digest_or_error(name: str) -> FileDigest | Damage:
+        try:
+            return digest_file(checkpoint, name)
+        except OSError as err:  # removed by a concurrent prune, no permission, an I/O error
+            return Damage(file=name, problem=f"unreadable ({err.strerror or err})")
+
+    if len(names) <= 1:
+        results = [digest_or_error(n) for n in names]
+    else:
+        with ThreadPoolExecutor(max_workers=min(_HASH_THREADS, len(names))) as pool:
+            results = list(pool.map(digest_or_error, names))
+    for digest in results:
+        if isinstance(digest, Damage):
+            damage.append(digest)
+            continue
         expected = manifest["files"][digest.name]["sha256"]
         if digest.sha256 != expected:
             damage.append(Damage(file=digest.name, problem=f"SHA-256 {digest.sha256[:16]}... "

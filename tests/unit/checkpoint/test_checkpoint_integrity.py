@@ -206,3 +206,23 @@ def test_single_process_saves_and_loads_give_no_dcp_notice(tmp_path: Path) -> No
     assert done.returncode == 0, done.stderr
     assert "saved and loaded" in done.stdout
     assert "assuming the intent" not in done.stderr
+
+
+def test_a_file_removed_while_it_is_verified_is_damage_not_a_crash(tmp_path: Path) -> None:
+    """A prune (or a person) removing files while `eval` verifies the checkpoint: each removed
+    file is named as damage, and a directory gone meanwhile says so, instead of an OSError."""
+    from densetrain.checkpoint.manifest import check_hashes, check_sizes, read_manifest
+
+    path = _saved(tmp_path)
+    manifest, _ = read_manifest(path)
+    names = sorted(manifest["files"])
+    shard = next(n for n in names if n.endswith(".distcp"))
+    (path / shard).unlink()  # after its size was listed, before it is hashed
+    damage = check_hashes(path, manifest, names)
+    assert [d.file for d in damage] == [shard] and damage[0].problem.startswith("unreadable")
+    for name in os.listdir(path):
+        os.unlink(path / name)
+    os.rmdir(path)
+    gone = check_sizes(path, manifest)
+    assert {d.file for d in gone} == set(names)  # every listed file missing
+    assert all(d.problem == "missing" for d in gone)
