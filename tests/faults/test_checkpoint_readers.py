@@ -289,3 +289,29 @@ def test_eval_dataset_given_a_file_says_to_use_text(run, capsys) -> None:
     err = _cli_error(capsys, ["eval", "perplexity", str(run), "--dataset", str(__file__)])
     assert f"--dataset {__file__} is a file; it takes a dataset directory" in err
     assert "--text" in err
+
+
+def test_checkpoints_lists_which_can_be_trusted_and_exits_by_it(copy, capsys) -> None:
+    assert main(["checkpoints", str(copy)]) == 0
+    out = capsys.readouterr().out
+    assert "step-00000004            verified" in out and "uses step-00000004" in out
+    shard = faultkit.largest_shard(_step(copy, 4))
+    faultkit.flip_byte(shard)
+    (copy / "checkpoints" / "step-00000006.tmp").mkdir()  # a save that never completed
+    assert main(["checkpoints", str(copy), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    states = {c["name"]: c["state"] for c in report["checkpoints"]}
+    assert states == {"step-00000004": "damaged", "step-00000002": "verified",
+                      "step-00000006.tmp": "incomplete"}
+    assert report["used"] == "step-00000002"
+    damaged = next(c for c in report["checkpoints"] if c["name"] == "step-00000004")
+    assert damaged["damage"][0].startswith(f"{shard.name}: SHA-256")
+    assert _step(copy, 4).is_dir()  # nothing renamed: the survey only reads
+    # after a resume has set the damaged one aside, it is listed as such
+    from densetrain.checkpoint.resume import select_resume_checkpoint
+
+    assert select_resume_checkpoint(copy / "checkpoints") == _step(copy, 2)
+    assert main(["checkpoints", str(copy / "checkpoints")]) == 0
+    assert "step-00000004.damaged    set aside" in capsys.readouterr().out
+    err = _cli_error(capsys, ["checkpoints", str(copy / "logs-that-are-not-there")])
+    assert "is not a directory" in err

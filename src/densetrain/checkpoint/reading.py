@@ -178,3 +178,51 @@ def open_training_checkpoint(path: str | os.PathLike, *, group: Any = None
         f"no checkpoint in {root} verifies against its manifest: " + " | ".join(what)
         + ". Restore a good copy of one as step-NNNNNNNN, or name an exported model directory"
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointStatus:
+    """One entry of a checkpoint directory, as `survey_checkpoints` found it."""
+
+    name: str
+    step: int | None
+    state: str  # "verified", "damaged", "set aside" (an earlier resume's) or "incomplete" (.tmp)
+    bytes: int
+    damage: tuple[str, ...] = ()
+
+
+def _size(directory: Path) -> int:
+    total = 0
+    for child in directory.iterdir():
+        try:
+            total += child.stat().st_size if child.is_file() else 0
+        except OSError:
+            pass
+    return total
+
+
+def survey_checkpoints(path: str | os.PathLike) -> tuple[Path, list[CheckpointStatus]]:
+    """Every checkpoint at ``path`` (a run directory, a checkpoint directory or one checkpoint),
+    newest first, each ``step-N`` verified against its manifest (every file hashed); the
+    directory surveyed. Reads only: nothing is renamed or removed (single process)."""
+    from densetrain.checkpoint.resume import damaged_checkpoints
+
+    path = Path(path)
+    if _is_one_checkpoint(path):
+        roots, candidates = path.parent, [(_step_of(path), path)]
+        extra: list[Path] = []
+    else:
+        roots, candidates = _candidates(path)
+        extra = damaged_checkpoints(roots) + sorted(
+            p for p in roots.glob("step-*.tmp") if p.is_dir()) if roots.is_dir() else []
+    found = []
+    for step, candidate in reversed(candidates):
+        damage = [str(d) for d in verify_checkpoint(candidate)]
+        state = "damaged" if damage else "verified"
+        found.append(CheckpointStatus(name=candidate.name, step=step, state=state,
+                                      bytes=_size(candidate), damage=tuple(damage)))
+    for other in sorted(extra, reverse=True):
+        state = "incomplete" if other.name.endswith(".tmp") else "set aside"
+        found.append(CheckpointStatus(name=other.name, step=None, state=state,
+                                      bytes=_size(other)))
+    return roots, found

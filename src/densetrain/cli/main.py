@@ -34,6 +34,7 @@ _COMMAND_MODULES = {
     "densetrain.cli.plan_cmd": ("plan",),
     "densetrain.cli.eval_cmd": ("eval", "generate"),  # eval perplexity | tasks, generate
     "densetrain.cli.goodput_cmd": ("goodput",),
+    "densetrain.cli.checkpoints_cmd": ("checkpoints",),
 }
 
 
