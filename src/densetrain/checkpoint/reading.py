@@ -203,8 +203,8 @@ def _size(directory: Path) -> int:
 
 def survey_checkpoints(path: str | os.PathLike) -> tuple[Path, list[CheckpointStatus]]:
     """Every checkpoint at ``path`` (a run directory, a checkpoint directory or one checkpoint),
-    newest first, each ``step-N`` verified against its manifest (every file hashed); the
-    directory surveyed. Reads only: nothing is renamed or removed (single process)."""
+    newest first, each ``step-N`` verified against its manifest (every file hashed) and its
+    stored config read as `open_training_checkpoint` reads it; the directory surveyed. Reads only: nothing is renamed or removed (single process)."""
     from densetrain.checkpoint.resume import damaged_checkpoints
 
     path = Path(path)
@@ -218,6 +218,11 @@ def survey_checkpoints(path: str | os.PathLike) -> tuple[Path, list[CheckpointSt
     found = []
     for step, candidate in reversed(candidates):
         damage = [str(d) for d in verify_checkpoint(candidate)]
+        if not damage:  # as a reader will take it: its stored config too
+            try:
+                _stored_config(candidate)
+            except DamagedFileError as error:
+                damage = [f"{CONFIG_FILE}: {error}"]
         state = "damaged" if damage else "verified"
         found.append(CheckpointStatus(name=candidate.name, step=step, state=state,
                                       bytes=_size(candidate), damage=tuple(damage)))
