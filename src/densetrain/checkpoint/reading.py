@@ -204,7 +204,8 @@ def _size(directory: Path) -> int:
 def survey_checkpoints(path: str | os.PathLike) -> tuple[Path, list[CheckpointStatus]]:
     """Every checkpoint at ``path`` (a run directory, a checkpoint directory or one checkpoint),
     newest first, each ``step-N`` verified against its manifest (every file hashed) and its
-    stored config read as `open_training_checkpoint` reads it; the directory surveyed. Reads only: nothing is renamed or removed (single process)."""
+    stored config read as `open_training_checkpoint` reads it; the directory surveyed. Reads
+    only: nothing is renamed or removed (single process)."""
     from densetrain.checkpoint.resume import damaged_checkpoints
 
     path = Path(path)
