@@ -315,3 +315,15 @@ def test_checkpoints_lists_which_can_be_trusted_and_exits_by_it(copy, capsys) ->
     assert "step-00000004.damaged    set aside" in capsys.readouterr().out
     err = _cli_error(capsys, ["checkpoints", str(copy / "logs-that-are-not-there")])
     assert "is not a directory" in err
+
+
+def test_checkpoints_counts_a_config_toml_that_is_not_its_own_as_damage(copy, capsys) -> None:
+    checkpoint = _step(copy, 4)
+    config = checkpoint / "config.toml"
+    config.write_text(config.read_text().replace("seq_len = 32", "seq_len = 16"))
+    _reseal(checkpoint, keep_config_sha256=True)  # files agree, the recorded config does not
+    assert main(["checkpoints", str(copy), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    damaged = next(c for c in report["checkpoints"] if c["name"] == "step-00000004")
+    assert damaged["state"] == "damaged" and "is not the checkpoint's own" in damaged["damage"][0]
+    assert report["used"] == "step-00000002"
