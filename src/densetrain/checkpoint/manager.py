@@ -64,10 +64,11 @@ class CheckpointDamagedError(CheckpointError, DamagedFileError):
     """A checkpoint's files do not match its manifest; ``damage`` lists each bad file (an input
     error to the CLI: one message naming the files, exit 2)."""
 
-    def __init__(self, path: Path, damage: list[Damage]) -> None:
+    def __init__(self, path: Path, damage: list[Damage], hint: str = "") -> None:
         self.path = path
         self.damage = damage
-        super().__init__(f"checkpoint {path} is damaged: " + "; ".join(map(str, damage)))
+        super().__init__(f"checkpoint {path} is damaged: " + "; ".join(map(str, damage))
+                         + (f"; {hint}" if hint else ""))
 
 
 def find_training_checkpoint(path: str | os.PathLike) -> Path | None:

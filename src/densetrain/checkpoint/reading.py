@@ -149,7 +149,9 @@ def open_training_checkpoint(path: str | os.PathLike, *, group: Any = None
     if _is_one_checkpoint(path):
         damage = verify_checkpoint(path, group)
         if damage:
-            raise CheckpointDamagedError(path, damage)
+            raise CheckpointDamagedError(path, damage, hint=(
+                f"give the directory holding it ({path.parent}) to use the newest checkpoint "
+                "there that verifies, or `densetrain checkpoints` to list them"))
         text, job = _stored_config(path)
         return TrainingCheckpoint(path=path, step=_step_of(path), job=job, config_toml=text)
     root, candidates = _candidates(path)
