@@ -327,3 +327,11 @@ def test_checkpoints_counts_a_config_toml_that_is_not_its_own_as_damage(copy, ca
     damaged = next(c for c in report["checkpoints"] if c["name"] == "step-00000004")
     assert damaged["state"] == "damaged" and "is not the checkpoint's own" in damaged["damage"][0]
     assert report["used"] == "step-00000002"
+
+
+def test_checkpoints_of_a_run_whose_only_save_never_completed(tmp_path, capsys) -> None:
+    (tmp_path / "run" / "checkpoints" / "step-00000002.tmp").mkdir(parents=True)
+    assert main(["checkpoints", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "step-00000002.tmp        incomplete" in out
+    assert "no save completed: a resume starts from step 0" in out

@@ -216,6 +216,8 @@ def survey_checkpoints(path: str | os.PathLike) -> tuple[Path, list[CheckpointSt
         extra: list[Path] = []
     else:
         roots, candidates = _candidates(path)
+        if not candidates and (roots / "checkpoints").is_dir():  # a run with only .tmp saves
+            roots = roots / "checkpoints"
         extra = damaged_checkpoints(roots) + sorted(
             p for p in roots.glob("step-*.tmp") if p.is_dir()) if roots.is_dir() else []
     found = []

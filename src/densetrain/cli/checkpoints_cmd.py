@@ -54,6 +54,12 @@ def run_checkpoints(args: argparse.Namespace) -> int:
             print(f"  {c.name:<24} {c.state:<10} {c.bytes / 1e6:10.1f} MB")
             for problem in c.damage:
                 print(f"      {problem}")
-        print(f"a resume, eval or export uses {usable}" if usable else
-              "no checkpoint verifies: a resume refuses, eval and export have nothing to read")
+        if usable:
+            print(f"a resume, eval or export uses {usable}")
+        elif steps or any(c.state == "set aside" for c in found):
+            print("no checkpoint verifies: a resume refuses, eval and export have nothing to "
+                  "read")
+        else:
+            print("no save completed: a resume starts from step 0, eval and export have "
+                  "nothing to read")
     return 1 if any(c.state == "damaged" for c in steps) else 0
