@@ -71,20 +71,6 @@ class CheckpointDamagedError(CheckpointError, DamagedFileError):
                          + (f"; {hint}" if hint else ""))
 
 
-def find_training_checkpoint(path: str | os.PathLike) -> Path | None:
-    """The complete checkpoint ``path`` names: itself, the latest one in it, or the latest in its
-    run's ``checkpoints/`` directory; None when there is none."""
-    path = Path(path)
-    if is_complete(path):
-        return path
-    for directory in (path, path / "checkpoints"):
-        if directory.is_dir():
-            latest = latest_checkpoint(directory)
-            if latest is not None:
-                return latest
-    return None
-
-
 def checkpoint_name(step: int) -> str:
     """Directory name of the checkpoint taken after ``step`` optimizer steps."""
     return f"step-{step:08d}"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,13 +61,18 @@ def digest_file(directory: Path, name: str) -> FileDigest:
     return FileDigest(name=name, size=path.stat().st_size, sha256=digest)
 
 
-def digest_files(directory: Path, names: Iterable[str]) -> list[FileDigest]:
-    """`digest_file` of each name, on a few threads."""
+def _on_threads(work: Callable[[str], Any], names: Iterable[str]) -> list[Any]:
+    """``work`` of each name, in order, on a few threads (hashlib drops the GIL)."""
     names = list(names)
     if len(names) <= 1:
-        return [digest_file(directory, n) for n in names]
+        return [work(n) for n in names]
     with ThreadPoolExecutor(max_workers=min(_HASH_THREADS, len(names))) as pool:
-        return list(pool.map(lambda n: digest_file(directory, n), names))
+        return list(pool.map(work, names))
+
+
+def digest_files(directory: Path, names: Iterable[str]) -> list[FileDigest]:
+    """`digest_file` of each name, on a few threads."""
+    return _on_threads(lambda n: digest_file(directory, n), names)
 
 
 def checkpoint_files(directory: Path) -> list[str]:
@@ -177,12 +182,7 @@ def check_hashes(checkpoint: Path, manifest: dict[str, Any], names: list[str]) -
         except OSError as err:  # removed by a concurrent prune, no permission, an I/O error
             return Damage(file=name, problem=f"unreadable ({err.strerror or err})")
 
-    if len(names) <= 1:
-        results = [digest_or_error(n) for n in names]
-    else:
-        with ThreadPoolExecutor(max_workers=min(_HASH_THREADS, len(names))) as pool:
-            results = list(pool.map(digest_or_error, names))
-    for digest in results:
+    for digest in _on_threads(digest_or_error, names):
         if isinstance(digest, Damage):
             damage.append(digest)
             continue

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -44,15 +45,20 @@ class TrainingCheckpoint:
     job: Any  # densetrain.config.JobConfig (imported lazily: config sits above checkpoint)
     config_toml: str
 
+    @cached_property
+    def metadata(self) -> Any:
+        """DCP's ``state_dict_metadata`` of the checkpoint (read once, through the restricted
+        unpickler): each entry's global shape and dtype."""
+        from densetrain.checkpoint.safe_pickle import read_dcp_metadata
+
+        return read_dcp_metadata(self.path).state_dict_metadata
+
     def model_config(self, tokenizer: Any, *, explicit: bool) -> Any:
         """The ``ModelConfig`` of this checkpoint for ``tokenizer``: one with more ids than the
         model's vocabulary is refused naming both, and an ``explicit`` (``--tokenizer``) one
         must give the vocabulary the model was trained with (its embedding's rows)."""
-        from densetrain.checkpoint.safe_pickle import read_dcp_metadata
-
         config = self.job.build_model_config(tokenizer.vocab_size)
-        meta = read_dcp_metadata(self.path).state_dict_metadata.get(
-            "model.tok_embeddings.weight")
+        meta = self.metadata.get("model.tok_embeddings.weight")
         rows = tuple(getattr(meta, "size", ()))[:1]
         given = "--tokenizer " if explicit else "the run's tokenizer "
         if explicit and rows and rows[0] != config.padded_vocab_size:
@@ -129,6 +135,18 @@ def _stored_config(checkpoint: Path) -> tuple[str, Any]:
     return text, job
 
 
+def _check(checkpoint: Path, group: Any = None) -> tuple[list[Damage], tuple[str, Any] | None]:
+    """What is wrong with ``checkpoint`` as a reader takes it (its files against the manifest,
+    then its stored config), and its ``(config text, job)`` when nothing is."""
+    damage = verify_checkpoint(checkpoint, group)
+    if damage:
+        return damage, None
+    try:
+        return [], _stored_config(checkpoint)
+    except DamagedFileError as error:
+        return [Damage(file=CONFIG_FILE, problem=str(error))], None
+
+
 def _report(message: str) -> None:
     if collective.rank() == 0:
         print(message, file=sys.stderr)
@@ -157,17 +175,13 @@ def open_training_checkpoint(path: str | os.PathLike, *, group: Any = None
     root, candidates = _candidates(path)
     rejected: list[str] = []
     for step, candidate in reversed(candidates):
-        damage: list[Damage] = verify_checkpoint(candidate, group)
-        if not damage:
-            try:
-                text, job = _stored_config(candidate)
-            except DamagedFileError as error:
-                damage = [Damage(file=CONFIG_FILE, problem=str(error))]
-            else:
-                if rejected:
-                    _report(f"using {candidate}, the newest checkpoint in {root} that verifies "
-                            f"(damaged: {'; '.join(rejected)})")
-                return TrainingCheckpoint(path=candidate, step=step, job=job, config_toml=text)
+        damage, stored = _check(candidate, group)
+        if stored is not None:
+            if rejected:
+                _report(f"using {candidate}, the newest checkpoint in {root} that verifies "
+                        f"(damaged: {'; '.join(rejected)})")
+            return TrainingCheckpoint(path=candidate, step=step, job=stored[1],
+                                      config_toml=stored[0])
         rejected.append(f"{candidate.name}: " + "; ".join(map(str, damage)))
         _report(f"checkpoint {candidate} is damaged ({'; '.join(map(str, damage))}); "
                 "trying the previous one")
@@ -222,12 +236,7 @@ def survey_checkpoints(path: str | os.PathLike) -> tuple[Path, list[CheckpointSt
             p for p in roots.glob("step-*.tmp") if p.is_dir()) if roots.is_dir() else []
     found = []
     for step, candidate in reversed(candidates):
-        damage = [str(d) for d in verify_checkpoint(candidate)]
-        if not damage:  # as a reader will take it: its stored config too
-            try:
-                _stored_config(candidate)
-            except DamagedFileError as error:
-                damage = [f"{CONFIG_FILE}: {error}"]
+        damage = [str(d) for d in _check(candidate)[0]]  # as a reader takes it
         state = "damaged" if damage else "verified"
         found.append(CheckpointStatus(name=candidate.name, step=step, state=state,
                                       bytes=_size(candidate), damage=tuple(damage)))

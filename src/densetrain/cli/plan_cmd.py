@@ -149,9 +149,6 @@ def run_plan_command(args: argparse.Namespace) -> int:
             return 0
         if args.calibrate:
             return _calibrate(args)
-        if args.top < 1:
-            raise ValueError(f"--top must be a positive integer (rows of the table), "
-                             f"got {args.top}")
         if args.calibrate_ranks is not None and not args.calibrate:
             raise ValueError("--calibrate-ranks needs --calibrate OUT.toml (it sets how many "
                              "ranks the calibration measures)")

@@ -45,6 +45,12 @@ def _dataset_tokenizer(paths: list[Path], metas: list[dict], expected: str) -> T
     return tokenizer
 
 
+def _corpus_settings(cfg: DataConfig) -> dict:
+    """The default corpus's settings of ``cfg`` (where it is cached, how it is prepared)."""
+    return dict(cache_dir=cfg.cache_dir, vocab_size=cfg.default_vocab_size,
+                max_files=cfg.default_max_files, val_fraction=cfg.default_val_fraction)
+
+
 def job_tokenizer(cfg: DataConfig, *, source: str | Path) -> Tokenizer:
     """The tokenizer `build_data` gives a job of ``cfg``, found without preparing anything:
     for a checkpoint's or run's stored config (``source``, named in the errors).
@@ -54,12 +60,7 @@ def job_tokenizer(cfg: DataConfig, *, source: str | Path) -> Tokenizer:
     Without them, ``data.tokenizer`` (when set) is the job's tokenizer; otherwise a tokenizer
     that is no longer there is an error naming the paths and ``--tokenizer``.
     """
-    if cfg.datasets:
-        paths = [Path(p) for p in cfg.datasets]
-    else:
-        paths = [default_corpus_dir(cache_dir=cfg.cache_dir, vocab_size=cfg.default_vocab_size,
-                                    max_files=cfg.default_max_files,
-                                    val_fraction=cfg.default_val_fraction)]
+    paths = [Path(p) for p in cfg.datasets] or [default_corpus_dir(**_corpus_settings(cfg))]
     missing = [p for p in paths if not p.is_dir()]
     named = Path(cfg.tokenizer) if cfg.tokenizer else None
     if named is not None and not named.exists() or named is None and missing:
@@ -91,17 +92,7 @@ def _stream(cfg: DataConfig, stores, weights, names, dp_rank: int, dp_size: int)
 def build_data(cfg: DataConfig, *, dp_rank: int = 0, dp_size: int = 1) -> DataBundle:
     """Open (or, for the default corpus, first prepare) the datasets and build the streams."""
     cfg.validate()
-    if cfg.datasets:
-        paths = [Path(p) for p in cfg.datasets]
-    else:
-        paths = [
-            ensure_default_corpus(
-                cache_dir=cfg.cache_dir,
-                vocab_size=cfg.default_vocab_size,
-                max_files=cfg.default_max_files,
-                val_fraction=cfg.default_val_fraction,
-            )
-        ]
+    paths = [Path(p) for p in cfg.datasets] or [ensure_default_corpus(**_corpus_settings(cfg))]
     metas = [load_metadata(p) for p in paths]
     tokenizer = _dataset_tokenizer(paths, metas, cfg.tokenizer)
     weights = list(cfg.weights) if cfg.weights else [1.0] * len(paths)

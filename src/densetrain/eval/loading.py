@@ -48,30 +48,32 @@ def _tokenizer_beside(directory: Path):
     return None
 
 
-def _check_model_tensors(model_state: dict, metadata, checkpoint: Path) -> None:
+def _check_model_tensors(model_state: dict, found) -> None:
     """The checkpoint's model tensors must be exactly those the stored config implies, each with
     its shape: a missing, extra or mis-shaped one means the config.toml is not its own."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    stored = metadata.state_dict_metadata
-    for name, value in model_state.items():
-        meta = stored.get(f"{_MODEL}{name}")
-        if not isinstance(meta, TensorStorageMetadata):
+    from densetrain.models.hf.shapes import shape_mismatches
+
+    stored = {key[len(_MODEL):]: tuple(meta.size) for key, meta in found.metadata.items()
+              if key.startswith(_MODEL) and isinstance(meta, TensorStorageMetadata)}
+    expected = {name: tuple(value.shape) for name, value in model_state.items()}
+    missing, extra, misshaped = shape_mismatches(expected, stored)
+    for name in expected:
+        if name in missing:
             raise DamagedFileError(
-                f"checkpoint {checkpoint} has no tensor '{_MODEL}{name}' that its config.toml "
+                f"checkpoint {found.path} has no tensor '{_MODEL}{name}' that its config.toml "
                 "implies; the checkpoint is damaged or its config.toml is not its own"
             )
-        if tuple(meta.size) != tuple(value.shape):
+        if name in misshaped:
             raise DamagedFileError(
-                f"checkpoint {checkpoint}: tensor '{_MODEL}{name}' has shape "
-                f"{tuple(meta.size)}, its config.toml implies {tuple(value.shape)}"
+                f"checkpoint {found.path}: tensor '{_MODEL}{name}' has shape {stored[name]}, "
+                f"its config.toml implies {expected[name]}"
             )
-    extra = sorted(key for key, meta in stored.items() if key.startswith(_MODEL)
-                   and isinstance(meta, TensorStorageMetadata)
-                   and key[len(_MODEL):] not in model_state)
     if extra:
+        extra = sorted(_MODEL + name for name in extra)
         raise DamagedFileError(
-            f"checkpoint {checkpoint} holds model tensors its config.toml does not imply "
+            f"checkpoint {found.path} holds model tensors its config.toml does not imply "
             f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}); its config.toml is "
             "not its own"
         )
@@ -82,7 +84,7 @@ def _load_checkpoint_model(found, explicit):
     its files: the metadata through a restricted unpickler, non-tensor values as plain data only
     (``densetrain.checkpoint.safe_pickle``)."""
     from densetrain.checkpoint import ModelState
-    from densetrain.checkpoint.safe_pickle import read_dcp_metadata, safe_dcp_load
+    from densetrain.checkpoint.safe_pickle import safe_dcp_load
     from densetrain.data.bundle import job_tokenizer
     from densetrain.models import Transformer
     from densetrain.models.hf.files import check_finite
@@ -94,7 +96,7 @@ def _load_checkpoint_model(found, explicit):
     model.to_empty(device="cpu")
     state = ModelState(model)
     tree = {"model": state.state_dict()}
-    _check_model_tensors(tree["model"], read_dcp_metadata(found.path), found.path)
+    _check_model_tensors(tree["model"], found)
     safe_dcp_load(tree, found.path)
     state.load_state_dict(tree["model"])
     check_finite(model.state_dict(), found.path)

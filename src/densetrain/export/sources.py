@@ -36,7 +36,6 @@ from densetrain.checkpoint.reading import open_training_checkpoint
 from densetrain.checkpoint.safe_pickle import (
     SafeFileSystemReader,
     SafeLoadPlanner,
-    read_dcp_metadata,
 )
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer
 from densetrain.models.config import ModelConfig
@@ -68,7 +67,7 @@ def _checkpoint_source(found, tokenizer: Tokenizer | None) -> ExportSource:
     explicit = tokenizer is not None
     tokenizer = tokenizer or job_tokenizer(found.job.data, source=checkpoint)
     config = found.model_config(tokenizer, explicit=explicit)
-    metadata = read_dcp_metadata(checkpoint).state_dict_metadata
+    metadata = found.metadata
     specs = {
         key[len(_MODEL_PREFIX):]: TensorSpec(tuple(meta.size), meta.properties.dtype)
         for key, meta in metadata.items()

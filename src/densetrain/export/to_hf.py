@@ -27,17 +27,16 @@ from densetrain.models.hf.files import (
     write_json,
 )
 from densetrain.models.hf.interop import SUPPORTED_MODEL_TYPES, get_adapter
-from densetrain.models.hf.shapes import dt_param_shapes
+from densetrain.models.hf.shapes import dt_param_shapes, shape_mismatches
 from densetrain.models.hf.streaming import hf_tensor_shapes, iter_hf_tensors
 
 
 def _check_stored_tensors(source: ExportSource) -> None:
     expected = dt_param_shapes(source.config)
     found = {name: spec.shape for name, spec in source.specs.items()}
-    missing = sorted(set(expected) - set(found))
-    unexpected = sorted(set(found) - set(expected))
+    missing, unexpected, wrong = (sorted(names) for names in shape_mismatches(expected, found))
     misshaped = [f"{n}: config implies {list(expected[n])}, stored {list(found[n])}"
-                 for n in sorted(set(expected) & set(found)) if expected[n] != found[n]]
+                 for n in wrong]
     if missing or unexpected or misshaped:
         raise ValueError(
             f"{source.path}: the stored model tensors do not match its config: missing "

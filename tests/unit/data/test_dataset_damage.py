@@ -163,11 +163,26 @@ def test_a_file_given_as_the_dataset_directory_is_called_a_file(tmp_path, capsys
         data_vocabulary(DataConfig(datasets=[str(tmp_path / "afile")]))
 
 
-def _prepare_again(root: Path, tokenizer_path: Path, seed: int, count: int) -> None:
-    raw = root.parent / f"raw{seed}"
-    write_text_files(raw, synthetic_documents(count, seed=seed))
-    prepare_dataset([str(raw)], root, tokenizer=tokenizer_path, overwrite=True,
+def _prepare(docs: list[str], root: Path, tokenizer_path: Path, raw_name: str,
+             overwrite: bool = False) -> None:
+    """Write ``docs`` as text files beside ``root`` and prepare ``root`` from them."""
+    raw = root.parent / raw_name
+    write_text_files(raw, docs)
+    prepare_dataset([str(raw)], root, tokenizer=tokenizer_path, overwrite=overwrite,
                     cfg=PrepareConfig(val_fraction=0.1, shard_tokens=4000, batch_bytes=4000))
+
+
+def _train_args(dataset: Path, run: Path) -> list[str]:
+    """``densetrain train`` of the tiny model on ``dataset`` into ``run``, a checkpoint every
+    2 steps (``--training.steps`` to add)."""
+    return ["train", *TINY_OVERRIDES, f'--data.datasets=["{dataset}"]', "--eval.interval=0",
+            "--eval.sample_tokens=0", "--checkpoint.interval=2", "--schedule.warmup_steps=0",
+            f"--logging.run_dir={run}"]
+
+
+def _prepare_again(root: Path, tokenizer_path: Path, seed: int, count: int) -> None:
+    _prepare(synthetic_documents(count, seed=seed), root, tokenizer_path, f"raw{seed}",
+             overwrite=True)
 
 
 def test_stream_state_of_a_changed_dataset_names_it_and_the_counts(prepared, tmp_path,
@@ -193,10 +208,7 @@ def test_stream_state_of_a_changed_dataset_names_it_and_the_counts(prepared, tmp
 
 def test_resume_after_the_dataset_is_prepared_again_names_checkpoint_and_dataset(
         dataset, tmp_path, tokenizer_path, capsys):
-    run = tmp_path / "run"
-    args = ["train", *TINY_OVERRIDES, f'--data.datasets=["{dataset}"]', "--eval.interval=0",
-            "--eval.sample_tokens=0", "--checkpoint.interval=2", "--schedule.warmup_steps=0",
-            f"--logging.run_dir={run}"]
+    args = _train_args(dataset, tmp_path / "run")
     assert main([*args, "--training.steps=2"]) == 0
     _prepare_again(dataset, tokenizer_path, seed=9, count=60)
     capsys.readouterr()
@@ -210,19 +222,14 @@ def test_resume_after_the_dataset_is_prepared_again_names_checkpoint_and_dataset
 def _reorder(root: Path, tokenizer_path: Path, docs: list[str]) -> None:
     """Prepare ``root`` again from the same documents in reverse order: the same tokens in all
     (the split goes by each document's hash), so the same sequence count, in another order."""
-    raw = root.parent / "raw-reversed"
-    write_text_files(raw, list(reversed(docs)))
-    prepare_dataset([str(raw)], root, tokenizer=tokenizer_path, overwrite=True,
-                    cfg=PrepareConfig(val_fraction=0.1, shard_tokens=4000, batch_bytes=4000))
+    _prepare(list(reversed(docs)), root, tokenizer_path, "raw-reversed", overwrite=True)
 
 
 def test_a_dataset_prepared_again_with_the_same_sequence_count_is_told_apart(tmp_path,
                                                                             tokenizer_path):
     docs = synthetic_documents(60, seed=4)
-    write_text_files(tmp_path / "raw", docs)
     root = tmp_path / "ds"
-    prepare_dataset([str(tmp_path / "raw")], root, tokenizer=tokenizer_path,
-                    cfg=PrepareConfig(val_fraction=0.1, shard_tokens=4000, batch_bytes=4000))
+    _prepare(docs, root, tokenizer_path, "raw")
 
     def stream() -> BatchStream:
         return BatchStream([TokenStore(root, "train")], [1.0], seq_len=16, seed=1)
@@ -246,14 +253,9 @@ def test_a_dataset_prepared_again_with_the_same_sequence_count_is_told_apart(tmp
 def test_resume_after_a_reorder_of_the_same_documents_is_refused(tmp_path, tokenizer_path,
                                                                 capsys):
     docs = synthetic_documents(60, seed=5)
-    write_text_files(tmp_path / "raw", docs)
     dataset = tmp_path / "ds"
-    prepare_dataset([str(tmp_path / "raw")], dataset, tokenizer=tokenizer_path,
-                    cfg=PrepareConfig(val_fraction=0.1, shard_tokens=4000, batch_bytes=4000))
-    run = tmp_path / "run"
-    args = ["train", *TINY_OVERRIDES, f'--data.datasets=["{dataset}"]', "--eval.interval=0",
-            "--eval.sample_tokens=0", "--checkpoint.interval=2", "--schedule.warmup_steps=0",
-            f"--logging.run_dir={run}"]
+    _prepare(docs, dataset, tokenizer_path, "raw")
+    args = _train_args(dataset, tmp_path / "run")
     assert main([*args, "--training.steps=2"]) == 0
     _reorder(dataset, tokenizer_path, docs)
     capsys.readouterr()
@@ -268,10 +270,7 @@ def test_a_checkpoint_saved_before_contents_were_recorded_still_resumes_exactly(
     from densetrain.train import read_metrics
 
     def args(run: Path, steps: int) -> list[str]:
-        return ["train", *TINY_OVERRIDES, f'--data.datasets=["{dataset}"]', "--eval.interval=0",
-                "--eval.sample_tokens=0", "--checkpoint.interval=2",
-                "--schedule.warmup_steps=0", f"--logging.run_dir={run}",
-                f"--training.steps={steps}"]
+        return [*_train_args(dataset, run), f"--training.steps={steps}"]
 
     assert main(args(tmp_path / "now", 2)) == 0  # the reference: saved and resumed as now
     assert main(args(tmp_path / "now", 4)) == 0

@@ -35,6 +35,16 @@ def dt_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def shape_mismatches(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]]
+                     ) -> tuple[list[str], list[str], list[str]]:
+    """The names ``expected`` lists that ``found`` lacks, those ``found`` has beyond it, and
+    those both hold with different shapes; each in ``expected``'s (``found``'s) order."""
+    missing = [n for n in expected if n not in found]
+    unexpected = [n for n in found if n not in expected]
+    misshaped = [n for n in expected if n in found and tuple(found[n]) != tuple(expected[n])]
+    return missing, unexpected, misshaped
+
+
 def _norm_shapes(name: str, cfg: ModelConfig, width: int) -> dict[str, tuple[int, ...]]:
     shapes = {f"{name}.weight": (width,)}
     if cfg.norm_type == "layernorm" and cfg.norm_bias:
