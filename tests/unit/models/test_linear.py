@@ -15,6 +15,7 @@ from densetrain.models.linear import (
     linear,
     matmul,
     onednn_reduction_limit,
+    transposed_copy,
     uses_onednn,
 )
 from densetrain.testing import OpNames
@@ -73,6 +74,45 @@ def test_linear_equals_fp64_reference_in_values_and_gradients(bias, in_out, toke
     close(layer.weight.grad, w64.grad, tokens_n)
     if bias:
         close(layer.bias.grad, b64.grad, tokens_n)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (7, 5), (40, 33), (96, 64)])
+@pytest.mark.parametrize("tile", [(8, 16), (5, 3), (512, 1024)])
+def test_transposed_copy_is_the_transpose_in_every_tile(shape, tile, monkeypatch):
+    """Tiles that divide the shape, that leave ragged edges and that cover it whole."""
+    monkeypatch.setattr(linear_module, "TRANSPOSE_TILE", tile)
+    src = torch.randn(*shape)
+    out = transposed_copy(src)
+    assert out.is_contiguous() and torch.equal(out, src.t())
+    target = torch.full((shape[1] + 2, shape[0]), float("nan"))
+    written = transposed_copy(src, target[1:-1])
+    assert written.data_ptr() == target[1].data_ptr() and torch.equal(target[1:-1], src.t())
+    assert target[0].isnan().all() and target[-1].isnan().all()  # nothing outside out_CR
+
+
+def test_weight_gradient_takes_the_cheaper_transpose_and_is_contiguous(monkeypatch):
+    """Many out-features (N·I + I·O < N·O): the weight gradient is (xᵀ @ g)ᵀ, and it equals
+    gᵀ @ x in fp64, contiguous like the weight."""
+    monkeypatch.setattr(linear_module, "ONEDNN_MAX_REDUCTION", None)
+    copies = []
+    real_copy = linear_module.transposed_copy
+
+    def counting_copy(src, out=None):
+        copies.append(tuple(src.shape))
+        return real_copy(src, out)
+
+    monkeypatch.setattr(linear_module, "transposed_copy", counting_copy)
+    torch.manual_seed(0)
+    for fan_in, fan_out, expected in ((16, 200, [(300, 16), (16, 200)]), (200, 16, [(300, 16)])):
+        copies.clear()
+        layer = Linear(fan_in, fan_out, bias=False)
+        x = torch.randn(300, fan_in)
+        grad_out = torch.randn(300, fan_out)
+        layer(x).backward(grad_out)
+        assert copies == expected  # xᵀ and the product back, or gᵀ alone
+        assert layer.weight.grad.is_contiguous()
+        torch.testing.assert_close(layer.weight.grad.double(),
+                                   grad_out.double().t() @ x.double(), rtol=1e-5, atol=1e-4)
 
 
 def test_linear_is_an_nn_linear_with_the_same_state_dict():
