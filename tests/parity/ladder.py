@@ -233,6 +233,11 @@ def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return cross_entropy_loss(logits, targets).loss
 
 
+def _meta_model(model_cfg) -> Transformer:
+    with torch.device("meta"):
+        return Transformer(model_cfg)
+
+
 def run_pipeline_layout(rank: int, world: int, layout: dict, steps: int = STEPS) -> dict:
     """Train the tiny model on a layout with pp > 1 (composed with tp/fsdp as given)."""
     from densetrain.parallel.pipeline import build_pipeline
@@ -245,8 +250,8 @@ def run_pipeline_layout(rank: int, world: int, layout: dict, steps: int = STEPS)
     require_runnable(cfg, model_cfg, dims, micro_batch_size=local // cfg.num_microbatches)
     pmesh = dims.build_mesh("cpu")
     pipe = build_pipeline(
-        lambda: Transformer(model_cfg), pmesh, cfg, _lm_loss, init_seed=SEED,
-        device=torch.device("cpu"),
+        lambda: _meta_model(model_cfg), pmesh, cfg, _lm_loss,
+        num_layers=model_cfg.num_layers, init_seed=SEED, device=torch.device("cpu"),
     )
     params = [p for m in pipe.modules for p in m.parameters()]
     opt = adamw(params)

@@ -11,8 +11,8 @@ Shape legend: B batch, S sequence, D dim, E embed_dim, V vocab_size, P padded vo
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -21,12 +21,16 @@ from torch import nn
 
 from densetrain.models.attention import Attention
 from densetrain.models.config import ModelConfig
+from densetrain.models.init import seeded_normal
 from densetrain.models.linear import Linear, linear
 from densetrain.models.loss import LossOutput, chunked_lm_loss, cross_entropy_loss
 from densetrain.models.masks import AttentionMask, build_attention_mask
 from densetrain.models.mlp import MLP
 from densetrain.models.norms import build_norm
 from densetrain.models.positions import alibi_slopes, rope_cos_sin
+
+Draw = Callable[[Sequence[torch.Tensor | None] | None], torch.Tensor]
+"""``draw(index)``: a parameter's initial values at ``index`` (see `Transformer.init_weights`)."""
 
 # Wrapper names that torch.compile, activation checkpointing and FSDP1 insert into parameter
 # names; they are dropped so that a parameter's seed depends only on its place in the model.
@@ -278,20 +282,23 @@ class Transformer(nn.Module):
         self,
         seed: int = 0,
         *,
-        write: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+        write: Callable[[torch.Tensor, Draw], None] | None = None,
     ) -> None:
         """Initialise every parameter, each from its own generator seeded by (seed, name).
 
         normal(0, init_std) for linear and embedding weights, with residual output projections
         (``attn.wo``, ``mlp.w_down``) scaled by 1/sqrt(2·num_layers) when
         ``scale_residual_init`` (GPT-2, Radford et al. 2019 §2.3); zeros for biases; ones for
-        norm weights. Values are drawn on the CPU in fp32 and copied, so they are bit-identical
-        for a seed on any device, in any construction order, and for a pipeline stage holding
-        only some of the layers. Works after a meta build and ``to_empty()``.
+        norm weights. Each value is a function of (seed, name, its index in the full tensor)
+        (`models.init`), drawn on the CPU in fp32 and copied, so it is bit-identical for a seed
+        on any device, in any construction order, for a pipeline stage holding only some of the
+        layers and for a rank holding any shard. Works after a meta build and ``to_empty()``.
 
-        ``write(param, full_value)`` stores a full fp32 value into a parameter; the default is a
-        plain copy. A parallelised model, whose parameters are shards, passes a writer that keeps
-        each rank's shard (``densetrain.parallel.parallelize.init_weights``), so that this module
+        ``write(param, draw)`` stores values into a parameter, where ``draw(index)`` returns the
+        fp32 values of the full tensor at ``index`` (per dimension, the positions wanted, or
+        None for all; `models.init.seeded_normal`); the default writes the whole tensor. A
+        parallelised model, whose parameters are shards, passes a writer that draws only this
+        rank's shard (``densetrain.parallel.parallelize.init_weights``), so that this module
         stays free of distributed code.
         """
         write = write or _copy_full
@@ -309,7 +316,8 @@ class Transformer(nn.Module):
                 elif isinstance(module, (nn.Linear, nn.Embedding)):
                     is_residual = name.endswith(("attn.wo.weight", "mlp.w_down.weight"))
                     std = residual_std if is_residual else cfg.init_std
-                    write(param, _seeded_normal(param.shape, std, seed, name))
+                    write(param, functools.partial(seeded_normal, tuple(param.shape), std,
+                                                   seed, name))
                 else:
                     raise RuntimeError(f"no initialisation rule for parameter {name}")
 
@@ -359,19 +367,12 @@ def lm_head_loss(
     )
 
 
-def _copy_full(param: torch.Tensor, value: torch.Tensor) -> None:
-    param.copy_(value)
+def _copy_full(param: torch.Tensor, draw: Draw) -> None:
+    param.copy_(draw(None))
 
 
 def _canonical_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
-
-
-def _seeded_normal(shape: torch.Size, std: float, seed: int, name: str) -> torch.Tensor:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-    return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
 
 
 def _document_positions(

@@ -107,7 +107,9 @@ def _build_pipelined(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, pmesh
               "(Narayanan et al. 2021)", file=sys.stderr)
 
     def make_stage() -> torch.nn.Module:
-        with torch.device(device):
+        # On the meta device: `build_pipeline` drops the other stages' layers before anything
+        # is allocated, so a rank holds only its stages' parameters, never the whole model.
+        with torch.device("meta"):
             stage = Transformer(model_cfg)
         return convert_blocks_to_float8(stage, float8_recipe) if float8_recipe else stage
 
@@ -115,6 +117,7 @@ def _build_pipelined(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, pmesh
         return cross_entropy_loss(logits_BSV, targets_BS, ignore_index=model_cfg.ignore_index,
                                   z_loss_coef=model_cfg.z_loss_coef).loss
 
-    pipeline = build_pipeline(make_stage, pmesh, cfg, stage_loss, init_seed=seed, device=device)
+    pipeline = build_pipeline(make_stage, pmesh, cfg, stage_loss, num_layers=model_cfg.num_layers,
+                              init_seed=seed, device=device)
     return LaidOutModel(module=PipelinedModel(pipeline), pmesh=pmesh, pipeline=pipeline,
                         ignore_index=model_cfg.ignore_index)

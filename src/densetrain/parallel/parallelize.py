@@ -124,24 +124,57 @@ def split_by_tensor_kind(param_groups: list) -> list:
 def init_weights(model: nn.Module, seed: int) -> None:
     """Run the model's seeded ``init_weights`` on a parallelized (DTensor) model.
 
-    Every rank draws the same full values (they depend only on seed and parameter name), so
-    plain tensors are treated as replicated and each DTensor keeps its own shard.
+    Each rank draws only the values it holds (a value depends only on seed, parameter name and
+    its index in the full tensor: `models.init`), so time and memory follow the rank's share,
+    not the model, and every layout holds the bits one process would.
     """
     from torch.distributed.tensor.experimental import implicit_replication
 
     with implicit_replication():
-        model.init_weights(seed=seed, write=write_full_value)
+        model.init_weights(seed=seed, write=write_local_shard)
 
 
-def write_full_value(param: torch.Tensor, value: torch.Tensor) -> None:
-    """Store a full value into ``param``, keeping only this rank's shard when it is a DTensor.
+def write_local_shard(param: torch.Tensor, draw) -> None:
+    """Store into ``param`` the values of this rank's part of it: the whole tensor when it is
+    plain or replicated, else its DTensor shard (no communication)."""
+    from torch.distributed.tensor import DTensor
 
-    Every rank holds the same seeded value, so each slices out its own shard locally
-    (``src_data_rank=None``): no scatter, no communication.
+    if not isinstance(param, DTensor):
+        param.copy_(draw(None))
+        return
+    local = param.to_local()
+    index = local_index(param)
+    local.copy_(draw(index).to(device=local.device, dtype=local.dtype).view(local.shape))
+
+
+def local_index(param) -> list[torch.Tensor | None]:
+    """Per dimension, the positions in the full tensor of the elements this rank's shard of the
+    DTensor ``param`` holds (None: all of that dimension), in local order.
+
+    Follows the placements left to right as DTensor does (`Shard`: ``torch.chunk`` semantics,
+    uneven last chunks included; ``_StridedShard``, which FSDP2 puts over a tensor-parallel
+    shard of the same dimension: the strided positions). Written out here because DTensor's
+    public helper returns only the first offset of each dimension, which does not describe a
+    strided shard.
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
 
-    value = value.to(device=param.device, dtype=param.dtype)
-    if isinstance(param, DTensor):
-        value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
-    param.copy_(value)
+    mesh = param.device_mesh
+    coordinate = mesh.get_coordinate()
+    index: list[torch.Tensor | None] = [None] * param.dim()
+    for mesh_dim, placement in enumerate(param.placements):
+        if not isinstance(placement, (Shard, _StridedShard)):
+            continue
+        dim = placement.dim
+        current = index[dim] if index[dim] is not None else torch.arange(param.shape[dim])
+        chunks, rank = mesh.size(mesh_dim), coordinate[mesh_dim]
+        if isinstance(placement, _StridedShard):
+            _, offsets = placement.local_shard_size_and_offset(
+                len(current), chunks, rank, _StridedShardOffsetMode.ALL)
+            picked = torch.tensor(offsets, dtype=torch.long)
+        else:
+            size, offset = Shard.local_shard_size_and_offset(len(current), chunks, rank)
+            picked = torch.arange(offset, offset + size)
+        index[dim] = current[picked]
+    return index

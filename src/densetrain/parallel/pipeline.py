@@ -138,10 +138,13 @@ def build_pipeline(
     cfg: ParallelConfig,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     *,
+    num_layers: int,
     init_seed: int,
     device: torch.device,
 ) -> Pipeline:
-    """Build this rank's stages (each parallelized and initialised) and the schedule."""
+    """Build this rank's stages and the schedule. ``model_factory`` returns the whole model on
+    the meta device; each stage keeps its ``num_layers`` share, is parallelized, and only then
+    materialised on ``device`` and initialised, so a rank allocates its own stages alone."""
     import torch.distributed.pipelining as pipelining
 
     from densetrain.parallel.parallelize import init_weights, parallelize
@@ -150,14 +153,14 @@ def build_pipeline(
     pp_mesh = pmesh.submesh("pp")
     virtual = cfg.pp_virtual_stages
     num_stages = dims.pp * virtual
-    probe = model_factory()
-    sizes = layer_split(len(probe.layers), num_stages, cfg.pp_layer_split)
+    sizes = layer_split(num_layers, num_stages, cfg.pp_layer_split)
     pp_rank = pp_mesh.get_local_rank()
     stage_ids = stage_ids_for_rank(pp_rank, dims.pp, virtual, cfg.pp_schedule)
     modules, stages = [], []
     for stage_id in stage_ids:
         module = split_stage(model_factory(), stage_id, sizes)
         module = parallelize(module, pmesh, cfg)
+        module.to_empty(device=device)
         init_weights(module, init_seed)
         modules.append(module)
         stages.append(

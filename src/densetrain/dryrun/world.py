@@ -1,0 +1,32 @@
+"""A process that is rank ``rank`` of ``world_size`` without the other ranks.
+
+PyTorch's fake process-group backend (``torch.testing._internal.distributed.fake_pg``) accepts
+every collective and returns at once without moving data, so the real mesh, parallelize, FSDP,
+tensor and pipeline code run unchanged on one process as any rank of any world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+
+@contextmanager
+def fake_world(world_size: int, rank: int) -> Iterator[None]:
+    """Initialise the default process group as ``rank`` of ``world_size`` on the fake backend
+    (destroyed on exit). Refuses a process that is already part of a real group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not 0 <= rank < world_size:
+        raise ValueError(
+            f"rank {rank} is outside a world of {world_size} ranks (0..{world_size - 1})")
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a dry run needs its own process: a process group is already initialised")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
