@@ -4,8 +4,8 @@ The trainer, the evaluator and the sampler talk to this object only: it moves a 
 device and takes this rank's share of it (`prepare_batch`: context parallel holds 1/cp of every
 sequence), runs forward and backward over a rank's batch (`forward_backward`: gradient
 accumulation over micro-batches, or the pipeline schedule), evaluates (`eval_loss`) and gathers
-the full weights (`gathered_state_dict`, for sampling and export). Which layout it is matters
-only inside these methods.
+the full weights to global rank 0's CPU, tensor by tensor (`gathered_state_dict`, for sampling
+and export). Which layout it is matters only inside these methods.
 
 Shape legend: B batch rows, S sequence.
 """
@@ -208,9 +208,16 @@ class LaidOutModel:
 
     # ------------------------------------------------------------------ full weights
     def gathered_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full, unsharded weights on the CPU under the full model's names, on every rank
-        (a collective: every rank must call it). Sharded (FSDP/TP) tensors are gathered;
-        pipeline stages are exchanged over the pp group."""
+        """The full, unsharded weights under the full model's names, on the CPU of global rank 0
+        only; every other rank returns ``{}`` (a collective: every rank must call it).
+
+        The weights are gathered tensor by tensor, so that no rank ever holds more than one full
+        tensor on its device and only rank 0 holds the model (in host memory). Sharded (FSDP/TP)
+        tensors go through ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``,
+        which keeps each gathered tensor on global rank 0 only. Under pipeline parallel every
+        stage gathers its own tensors and the stage ranks of global rank 0's pp group send
+        theirs to rank 0 one by one (`_gather_pipeline_stages`).
+        """
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -218,18 +225,73 @@ class LaidOutModel:
 
         if self.pmesh is None or self.pmesh.device_mesh is None:
             return {k: v.detach().cpu() for k, v in get_model_state_dict(self.module).items()}
-        local = get_model_state_dict(self.module,
-                                     options=StateDictOptions(full_state_dict=True))
-        local = {k: v.detach().cpu() for k, v in local.items()}
+        if self.pmesh.group("pp") is None:
+            # With cpu_offload, torch keeps each gathered tensor on (global) rank 0 only and
+            # returns an empty dict elsewhere (``ranks_only=(0,)`` in ``_gather_state_dict``).
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            full = get_model_state_dict(self.module, options=options)
+            return {k: v.detach() for k, v in full.items()}
+        return self._gather_pipeline_stages()
+
+    def _gather_pipeline_stages(self) -> dict[str, torch.Tensor]:
+        """`gathered_state_dict` under pipeline parallel.
+
+        Every rank gathers its stages' tensors one at a time within the stage (the all-gather of
+        a DTensor runs over its own sub-mesh, the stage's dp/cp/tp ranks). Only the pp group
+        that holds global rank 0 (the ranks whose other mesh coordinates are all 0) exchanges
+        anything: its other members first send rank 0 their tensors' names, shapes and dtypes
+        (one ``gather_object`` over that group), then each gathered tensor (``send``), which rank
+        0 receives into one buffer on its device at a time and moves to the CPU.
+        """
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
         pp_group = self.pmesh.group("pp")
-        if pp_group is None:
-            return local
-        parts: list[Any] = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(parts, local, group=pp_group)
+        pp_ranks = dist.get_process_group_ranks(pp_group)
+        rank = dist.get_rank()
+        in_root_group = 0 in pp_ranks
+        device = _collective_device(self.pmesh)
+        local = get_model_state_dict(self.module)  # sharded: DTensors under the full names
+        specs = [(name, tuple(value.shape), value.dtype) for name, value in local.items()]
+        stage_specs: list[Any] | None = [None] * len(pp_ranks) if rank == 0 else None
+        if in_root_group:
+            dist.gather_object(specs, stage_specs, group=pp_group, group_dst=0)
         merged: dict[str, torch.Tensor] = {}
-        for part in parts:
-            merged.update(part)
+        for name, value in local.items():
+            full = _full_tensor(value, device)
+            if rank == 0:
+                merged[name] = full.cpu()
+            elif in_root_group:
+                dist.send(full.contiguous(), group=pp_group, group_dst=0)
+            del full
+        if rank != 0:
+            return {}
+        assert stage_specs is not None
+        for source in range(1, len(pp_ranks)):
+            for name, shape, dtype in stage_specs[source]:
+                buffer = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(buffer, group=pp_group, group_src=source)
+                merged[name] = buffer.cpu()
         return merged
+
+
+def _collective_device(pmesh: ParallelMesh) -> torch.device:
+    """The device this rank's collectives on ``pmesh`` run on (its CUDA device, or the CPU)."""
+    device_type = pmesh.device_mesh.device_type
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
+
+
+def _full_tensor(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The full tensor of a state-dict entry on ``device``: a DTensor all-gathered over its own
+    mesh (a collective of its ranks), a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        if value.device.type != device.type:  # e.g. FSDP's CPU offload
+            value = value.to(device)
+        return value.full_tensor().detach()
+    return value.detach().to(device)
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
