@@ -35,6 +35,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
+    parser.add_argument(
+        "--dry-run", action="store_true",
+        help="build and step the job's real code on fake tensors as simulated ranks of "
+             "--world-size, and report each rank's memory and collectives (no training)")
+    parser.add_argument(
+        "--world-size", type=int, default=0, metavar="N",
+        help="with --dry-run: the world size to simulate (the layout's degrees must divide it)")
+    parser.add_argument(
+        "--ranks", default="", metavar="R[,R...]",
+        help="with --dry-run: the ranks to simulate, one process each (default: one per role: "
+             "the first and last rank, and a middle pipeline stage)")
     parser.set_defaults(func=run_train, accepts_extra=True)
 
 
@@ -72,6 +83,50 @@ def split_config_and_overrides(words: list[str]) -> tuple[str | None, list[str]]
     return None, list(words)
 
 
+def run_dry(job, args: argparse.Namespace) -> int:
+    """``train --dry-run``: each simulated rank in its own process, then the report."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from densetrain.dryrun.report import default_ranks, format_report
+    from densetrain.dryrun.run import dry_run_rank
+    from densetrain.errors import UserError
+    from densetrain.parallel.mesh import ParallelDims
+
+    if not args.dry_run:
+        raise UserError("--world-size and --ranks go with --dry-run")
+    if os.environ.get("WORLD_SIZE") or os.environ.get("TORCHELASTIC_RUN_ID"):
+        raise UserError("--dry-run simulates the ranks itself: run it as one process, not under "
+                        "torchrun")
+    if args.world_size < 1:
+        raise UserError("--dry-run needs --world-size N (N >= 1): the world size to simulate")
+    try:
+        dims = ParallelDims.from_config(job.parallel, args.world_size)
+    except ValueError as err:
+        raise UserError(f"--world-size {args.world_size}: {err}") from None
+    if args.ranks:
+        try:
+            ranks = sorted({int(word) for word in args.ranks.split(",")})
+        except ValueError:
+            raise UserError(f"--ranks {args.ranks!r}: give rank numbers separated by commas, "
+                            "e.g. --ranks 0,7") from None
+        outside = [r for r in ranks if not 0 <= r < args.world_size]
+        if outside:
+            raise UserError(f"--ranks: {outside} outside a world of {args.world_size} ranks "
+                            f"(0..{args.world_size - 1})")
+    else:
+        ranks = default_ranks(args.world_size, dims.pp)
+    job.validate(world_size=dims.world_size, dp_size=dims.dp_size)  # the real run's one line
+    reports = []
+    for rank in ranks:  # one fresh process per rank: a process group is per process
+        with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+            reports.append(pool.submit(dry_run_rank, job, args.world_size, rank).result())
+    from densetrain.dryrun.predict import planner_memory
+
+    print(format_report(reports, planner_memory(job, args.world_size)))
+    return 0
+
+
 def run_train(args: argparse.Namespace) -> int:
     """Load the job config with the overrides, check its inputs, train, print the summary.
 
@@ -85,6 +140,8 @@ def run_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(job_config_to_toml(job))
         return 0
+    if args.dry_run or args.world_size or args.ranks:
+        return run_dry(job, args)
     if getattr(args, "whole_process", False) and not os.environ.get("LD_PRELOAD"):
         from densetrain.train.host_malloc import restart_with_tuned_allocator
 

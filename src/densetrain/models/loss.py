@@ -93,6 +93,14 @@ def _exact_softmax_and_lse(logits_CV: torch.Tensor, targets_C: torch.Tensor,
     return lse_C, logit_t_C, probs_CV.to(logits_CV.dtype)
 
 
+def _is_fake(tensor: torch.Tensor) -> bool:
+    """A fake tensor (shapes, no values: a dry run), which the CPU kernel's one-flag host sync
+    cannot read; it takes the sync-free path every other device takes."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(tensor)
+
+
 def _softmax_and_lse(logits_CV: torch.Tensor, targets_C: torch.Tensor, needs_grad: bool,
                      row_logits: Callable[[torch.Tensor], torch.Tensor]):
     """The eager kernel: `_exact_softmax_and_lse`'s results (probabilities in fp32 for
@@ -113,7 +121,7 @@ def _softmax_and_lse(logits_CV: torch.Tensor, targets_C: torch.Tensor, needs_gra
     Measured on 2 CPU cores, fp32 logits of 1,024 tokens × 50,304 classes: 45 ms against 102
     ms for log-softmax + exp + scale (three passes over the logits).
     """
-    if logits_CV.device.type != "cpu" or not needs_grad:
+    if logits_CV.device.type != "cpu" or not needs_grad or _is_fake(logits_CV):
         return _exact_softmax_and_lse(logits_CV, targets_C, needs_grad)
     dtype, logit_t_C = _target_logit(logits_CV, targets_C)
     work_CV = logits_CV.to(dtype)  # fp32 logits themselves, else one fp32 copy
@@ -293,8 +301,8 @@ def _unit_seed_on_cpu(grad_loss: torch.Tensor) -> bool:
     the saved gradients are then returned as they are, saving a pass over the head's weight
     gradient (77 MB at 50,304 × 384 in fp32; 3 ms of a 0.47 s bf16 step on 2 cores). Reading
     the value costs nothing on the CPU; elsewhere it would be a host sync, so other devices
-    always multiply."""
-    return grad_loss.device.type == "cpu" and bool(grad_loss == 1)
+    always multiply, as does a fake (dry-run) seed."""
+    return grad_loss.device.type == "cpu" and not _is_fake(grad_loss) and bool(grad_loss == 1)
 
 
 class _ChunkedLMLoss(torch.autograd.Function):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from types import SimpleNamespace
 
 import torch
@@ -51,12 +53,16 @@ def build_model(
     local_batch_size: int | None = None,
     micro_batch_size: int | None = None,
     float8_recipe: str = "",
+    materialize: Callable[[], AbstractContextManager] = nullcontext,
 ) -> LaidOutModel:
     """``model_cfg`` laid out on ``pmesh`` as ``parallel_cfg`` says, initialised from ``seed``.
 
     ``loss_chunk_size`` selects the chunked output head (None: full logits). Pipeline parallel
     needs ``local_batch_size`` and ``micro_batch_size`` to size its microbatches. A
-    ``float8_recipe`` runs the blocks' linear layers in float8 (`parallel.float8`).
+    ``float8_recipe`` runs the blocks' linear layers in float8 (`parallel.float8`). The
+    meta-device model is laid out first; only its materialisation and initialisation run
+    inside ``materialize()`` (a dry run passes ``FakeTensorMode``, so that the layout code, which
+    reads the mesh's real rank tables, runs as in a real run).
     """
     from densetrain.models import Transformer
     from densetrain.parallel.parallelize import init_weights, parallelize
@@ -69,14 +75,16 @@ def build_model(
     if pmesh.dims.pp > 1:
         return _build_pipelined(model_cfg, parallel_cfg, pmesh, device=device, seed=seed,
                                 compile=compile, local_batch_size=local_batch_size,
-                                micro_batch_size=micro_batch_size, float8_recipe=float8_recipe)
+                                micro_batch_size=micro_batch_size, float8_recipe=float8_recipe,
+                                materialize=materialize)
     with torch.device("meta"):
         module = Transformer(model_cfg)
     if float8_recipe:
         convert_blocks_to_float8(module, float8_recipe)
     module = parallelize(module, pmesh, parallel_cfg, compile=compile)
-    module.to_empty(device=device)
-    init_weights(module, seed)
+    with materialize():
+        module.to_empty(device=device)
+        init_weights(module, seed)
     return LaidOutModel(module=module, pmesh=pmesh, loss_fn=model_loss_fn(chunk),
                         ignore_index=model_cfg.ignore_index)
 
@@ -84,7 +92,8 @@ def build_model(
 def _build_pipelined(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, pmesh: ParallelMesh,
                      *, device: torch.device, seed: int, compile: bool,
                      local_batch_size: int | None, micro_batch_size: int | None,
-                     float8_recipe: str) -> LaidOutModel:
+                     float8_recipe: str,
+                     materialize: Callable[[], AbstractContextManager]) -> LaidOutModel:
     """This rank's stages (parallelized, initialised), their schedule, one `PipelinedModel`."""
     from densetrain.models import Transformer
     from densetrain.models.loss import cross_entropy_loss
@@ -118,6 +127,6 @@ def _build_pipelined(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, pmesh
                                   z_loss_coef=model_cfg.z_loss_coef).loss
 
     pipeline = build_pipeline(make_stage, pmesh, cfg, stage_loss, num_layers=model_cfg.num_layers,
-                              init_seed=seed, device=device)
+                              init_seed=seed, device=device, materialize=materialize)
     return LaidOutModel(module=PipelinedModel(pipeline), pmesh=pmesh, pipeline=pipeline,
                         ignore_index=model_cfg.ignore_index)

@@ -137,8 +137,11 @@ def init_weights(model: nn.Module, seed: int) -> None:
 def write_local_shard(param: torch.Tensor, draw) -> None:
     """Store into ``param`` the values of this rank's part of it: the whole tensor when it is
     plain or replicated, else its DTensor shard (no communication)."""
+    from torch._subclasses.fake_tensor import is_fake
     from torch.distributed.tensor import DTensor
 
+    if is_fake(param):  # a dry run's fake tensor holds no values: nothing to draw
+        return
     if not isinstance(param, DTensor):
         param.copy_(draw(None))
         return

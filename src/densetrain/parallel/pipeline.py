@@ -14,6 +14,7 @@ interleaving v stages per rank divides it by v.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -141,10 +142,12 @@ def build_pipeline(
     num_layers: int,
     init_seed: int,
     device: torch.device,
+    materialize: Callable[[], AbstractContextManager] = nullcontext,
 ) -> Pipeline:
     """Build this rank's stages and the schedule. ``model_factory`` returns the whole model on
     the meta device; each stage keeps its ``num_layers`` share, is parallelized, and only then
-    materialised on ``device`` and initialised, so a rank allocates its own stages alone."""
+    materialised on ``device`` and initialised (inside ``materialize()``: `build_model`), so a
+    rank allocates its own stages alone."""
     import torch.distributed.pipelining as pipelining
 
     from densetrain.parallel.parallelize import init_weights, parallelize
@@ -160,8 +163,9 @@ def build_pipeline(
     for stage_id in stage_ids:
         module = split_stage(model_factory(), stage_id, sizes)
         module = parallelize(module, pmesh, cfg)
-        module.to_empty(device=device)
-        init_weights(module, init_seed)
+        with materialize():
+            module.to_empty(device=device)
+            init_weights(module, init_seed)
         modules.append(module)
         stages.append(
             pipelining.PipelineStage(

@@ -146,7 +146,6 @@ def vocab_parallel_loss_head(
 ):
     """The model's ``loss_head`` under tensor parallel: vocab-parallel cross-entropy over the
     local logit slice of each tp rank (``chunk_size`` is not used: logits are only 1/tp wide)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from densetrain.parallel.loss import vocab_parallel_cross_entropy
 
@@ -157,7 +156,12 @@ def vocab_parallel_loss_head(
     weight_LE = weight.to_local()
     bias_L = model.output.bias.to_local() if model.output.bias is not None else None
     logits_BSL = F.linear(hidden_BSE, weight_LE, bias_L)
-    _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    # The head is Shard(0) over the tp mesh: its first row, from ints alone (no tensor op, so
+    # it runs under a dry run's fake tensors too).
+    (placement,) = weight.placements
+    _, first_row = placement.local_shard_size_and_offset(weight.shape[0], mesh.size(),
+                                                         mesh.get_local_rank())
+    offset = (first_row,)
     cfg = model.config
     return vocab_parallel_cross_entropy(
         logits_BSL.reshape(-1, logits_BSL.shape[-1]),

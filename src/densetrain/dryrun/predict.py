@@ -1,0 +1,37 @@
+"""The planner's prediction for the layout a dry run traces, to print beside the traced bytes.
+
+The planner is given the trainer's real per-parameter bytes: fp32 parameters and gradients, two
+fp32 AdamW moments, and (FSDP2 without a mixed-precision policy, as the trainer runs it under
+autocast) fp32 all-gathers: the ``fp32`` precision of `planner.layout.PRECISIONS`; activations in
+2 bytes under bf16 or float8 autocast, 4 in fp32.
+"""
+
+from __future__ import annotations
+
+from densetrain.config.job import JobConfig
+
+
+def planner_memory(job: JobConfig, world_size: int) -> dict[str, float]:
+    """Predicted bytes per device (``params``, ``grads``, ``optimizer``, ``activations``,
+    ``head``, ``buffers``, ``total``) for ``job`` on ``world_size`` ranks."""
+    from densetrain.parallel.mesh import ParallelDims
+    from densetrain.planner.hardware import get_cluster
+    from densetrain.planner.layout import Layout, PlanSettings
+    from densetrain.planner.search import evaluate_layout
+
+    par = job.parallel
+    dims = ParallelDims.from_config(par, world_size)
+    stage = par.zero_stage if dims.dp_shard > 1 else 0
+    layout = Layout(
+        tp=dims.tp, sequence_parallel=bool(par.sequence_parallel and dims.tp > 1), pp=dims.pp,
+        pp_schedule=par.pp_schedule, pp_virtual_stages=par.pp_virtual_stages, cp=dims.cp,
+        dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, zero_stage=stage,
+        activation_checkpointing=par.activation_checkpointing,
+        micro_batch_size=job.training.micro_batch_size)
+    settings = PlanSettings(precision="fp32",
+                            activation_bytes=4 if job.training.dtype == "fp32" else 2)
+    metrics = evaluate_layout(job.build_model_config(), job.data.seq_len,
+                              job.training.global_batch_size, layout, get_cluster("h100-80gb"),
+                              settings, trainer_rules=False)
+    keys = ("params", "grads", "optimizer", "activations", "head", "buffers", "total")
+    return {key: metrics[f"mem_{key}"] for key in keys}

@@ -1,0 +1,52 @@
+"""The dry-run report: per simulated rank, what it holds at its peak and what it moves."""
+
+from __future__ import annotations
+
+from densetrain.dryrun.run import RankReport
+
+GIB = 2**30
+
+
+def default_ranks(world_size: int, pp: int) -> list[int]:
+    """One rank per distinct role: the first and last rank, and with pipeline parallel the
+    first rank of the first, a middle and the last stage (pp is the mesh's outer axis)."""
+    per_stage = world_size // pp
+    ranks = {0, world_size - 1}
+    if pp > 2:
+        ranks.add((pp // 2) * per_stage)
+    return sorted(ranks)
+
+
+def format_report(reports: list[RankReport], predicted: dict[str, float] | None = None,
+                  device_bytes: float | None = None) -> str:
+    """Lines of the report (GiB; collectives in GB); ``predicted``: the planner's memory per
+    device (`dryrun.predict.planner_memory`), printed beside the traced figures."""
+    lines = []
+    for r in reports:
+        where = ", ".join(f"{k} {v}" for k, v in r.coordinates.items()) or "single process"
+        lines.append(f"rank {r.rank} of {r.world_size} ({where}): {r.local_params:,} parameters;"
+                     f" one micro-batch of {r.micro_batch_size} x {r.seq_len} tokens traced"
+                     f" ({r.microbatches} per step) in {r.seconds:.1f} s")
+        lines.append(f"  parameters {r.param_bytes / GIB:8.3f} GiB   gradients "
+                     f"{r.grad_bytes / GIB:8.3f} GiB   optimizer "
+                     f"{r.optimizer_bytes / GIB:8.3f} GiB")
+        phases = "   ".join(f"{name} {size / GIB:.3f}" for name, size in r.phase_peaks.items()
+                           if name != "start")
+        fits = ""
+        if device_bytes:
+            fits = (f"   ({100 * r.peak_bytes / device_bytes:.0f}% of the device's "
+                    f"{device_bytes / GIB:.0f} GiB)")
+        lines.append(f"  peak      {r.peak_bytes / GIB:8.3f} GiB{fits}   by phase: {phases}")
+        if predicted:
+            lines.append(
+                f"  planner   parameters {predicted['params'] / GIB:.3f}   gradients "
+                f"{predicted['grads'] / GIB:.3f}   optimizer {predicted['optimizer'] / GIB:.3f}"
+                f"   activations {predicted['activations'] / GIB:.3f}   peak "
+                f"{predicted['total'] / GIB:.3f} GiB (traced/predicted peak "
+                f"{r.peak_bytes / predicted['total']:.2f})")
+        for c in r.collectives:
+            dtypes = ", ".join(f"{n} {d}" for d, n in sorted(c.dtypes.items()))
+            lines.append(f"  {c.kind:<15} over {c.group:<12} {c.calls:5d} calls "
+                         f"{c.bytes / 1e9:10.3f} GB   ({dtypes})")
+        lines.append("  not traced: " + "; ".join((*r.notes, *r.not_traced)))
+    return "\n".join(lines)

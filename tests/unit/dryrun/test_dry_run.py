@@ -1,0 +1,174 @@
+"""Dry runs of real jobs at their real sizes: each simulated rank holds exactly its share.
+
+The expected bytes are counted independently of the planner: every parameter's numel from the
+model built on the meta device, divided as the layout cuts it (fp32 parameters and gradients,
+AdamW's two fp32 moments). Each rank runs in a fresh process (a process group is per process).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import pytest
+import torch
+
+from densetrain.config.loader import load_job_config
+from densetrain.dryrun.run import RankReport, dry_run_rank
+from densetrain.models import Transformer
+from densetrain.models.presets import get_preset
+
+ROOT = Path(__file__).resolve().parents[3]
+LLAMA3_8B = str(ROOT / "configs" / "llama3-8b.toml")
+
+
+def _dry_run(config: str, overrides: list[str], world: int, rank: int) -> RankReport:
+    job = load_job_config(config, overrides)
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(dry_run_rank, job, world, rank).result(timeout=600)
+
+
+def _numel(preset: str) -> dict[str, int]:
+    with torch.device("meta"):
+        model = Transformer(get_preset(preset))
+    return {name: p.numel() for name, p in model.named_parameters()}
+
+
+def _assert_model_states(report: RankReport, share_numel: int) -> None:
+    assert report.local_params == share_numel
+    assert report.param_bytes == 4 * share_numel
+    assert report.grad_bytes == 4 * share_numel
+    assert report.optimizer_bytes == 2 * 4 * share_numel  # exp_avg, exp_avg_sq
+    # the peak holds at least the model states and is reached in forward/backward
+    assert report.peak_bytes >= 2 * 4 * share_numel
+    assert report.peak_bytes == max(report.phase_peaks.values())
+
+
+def test_llama3_8b_fsdp_on_8_ranks_holds_an_eighth():
+    full = _numel("llama3-8b")
+    total = sum(full.values())
+    report = _dry_run(LLAMA3_8B, [], 8, 5)
+    assert report.coordinates == {"dp_shard": 5}
+    _assert_model_states(report, total // 8)  # every dimension of Llama 3 8B divides by 8
+    collectives = {(c.kind, c.group): c for c in report.collectives}
+    assert set(collectives) == {("all_gather", "dp_shard"), ("reduce_scatter", "dp_shard")}
+    # every fp32 gradient is reduce-scattered once; the parameters are gathered for forward
+    # and again for backward (resharded after forward), the root's once
+    assert collectives[("reduce_scatter", "dp_shard")].bytes == 4 * total
+    gathered = collectives[("all_gather", "dp_shard")].bytes
+    assert 4 * total < gathered < 2 * 4 * total
+    assert collectives[("all_gather", "dp_shard")].calls == 2 * 32 + 1
+
+
+def test_llama3_8b_tp8_fsdp8_on_64_ranks_holds_a_sixty_fourth():
+    """TP 8 x FSDP 8: matrices cut 64 ways; norm weights replicated over TP, cut 8 ways."""
+    full = _numel("llama3-8b")
+    share = sum(n // (8 if "norm" in name else 64) for name, n in full.items())
+    report = _dry_run(LLAMA3_8B, ["--parallel.tp=8"], 64, 3)
+    assert report.coordinates == {"dp_shard": 0, "tp": 3}
+    _assert_model_states(report, share)
+    groups = {c.group for c in report.collectives}
+    assert groups == {"dp_shard", "tp"}
+
+
+def _cli(*words: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "densetrain", "train", *words],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize(("words", "env", "named"), [
+    (["--dry-run", "--world-size", "12"], {}, "--world-size 12"),
+    (["--dry-run", "--world-size", "8", "--ranks", "3,8"], {}, "--ranks"),
+    (["--dry-run", "--world-size", "8", "--ranks", "a"], {}, "--ranks"),
+    (["--dry-run"], {}, "--world-size"),
+    (["--world-size", "8"], {}, "--dry-run"),
+    (["--dry-run", "--world-size", "8"], {"WORLD_SIZE": "8"}, "torchrun"),
+])
+def test_bad_dry_run_inputs_get_one_line(words, env, named):
+    done = _cli(LLAMA3_8B, *words, env=env)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def _chunk(size: int, parts: int, index: int) -> int:
+    """Rows of chunk ``index`` when ``size`` rows are cut in ``parts`` as ``torch.chunk`` cuts
+    (ceil-sized chunks, a short or empty last one)."""
+    step = -(-size // parts)
+    return max(0, min(size - index * step, step))
+
+
+_COLUMN_PARALLEL = ("wq.weight", "wk.weight", "wv.weight", "wq.bias", "wk.bias", "wv.bias",
+                    "w_up.weight", "w_gate.weight", "w_up.bias", "w_gate.bias",
+                    "output.weight", "tok_embeddings.weight")
+_ROW_PARALLEL = ("wo.weight", "w_down.weight")
+
+
+def _share(shape: tuple[int, ...], name: str, tp: tuple[int, int], fsdp: tuple[int, int]) -> int:
+    """Elements of ``name`` on the rank at tensor-parallel index tp[1] of tp[0] and FSDP index
+    fsdp[1] of fsdp[0]: Megatron's cuts (column-parallel rows, row-parallel columns, the
+    vocabulary's rows; the rest replicated), then FSDP's rows of what TP left."""
+    dims = list(shape)
+    if name.endswith(_COLUMN_PARALLEL):
+        dims[0] = _chunk(dims[0], *tp)
+    elif name.endswith(_ROW_PARALLEL):
+        dims[1] = _chunk(dims[1], *tp)
+    dims[0] = _chunk(dims[0], *fsdp)
+    count = 1
+    for d in dims:
+        count *= d
+    return count
+
+
+def _shapes(preset: str, overrides: dict | None = None) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        model = Transformer(get_preset(preset, **(overrides or {})))
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def test_llama3_70b_pipeline_rank_of_512_holds_its_stage_share():
+    """TP 8 x PP 4 x FSDP 16 (configs/llama3-70b.toml): rank 300 is stage 2 (layers 40-59),
+    tp 4, fsdp 5. Forward/backward of a pipeline stage is not traced (the report says so); the
+    model states are."""
+    report = _dry_run(str(ROOT / "configs" / "llama3-70b.toml"), [], 512, 300)
+    assert report.coordinates == {"pp": 2, "dp_shard": 5, "tp": 4}
+    held = {f"layers.{i}." for i in range(40, 60)}
+    share = sum(_share(shape, name, (8, 4), (16, 5))
+                for name, shape in _shapes("llama3-70b").items()
+                if any(name.startswith(prefix) for prefix in held))
+    assert report.local_params == share
+    assert report.optimizer_bytes >= 2 * 4 * share
+    assert any("pipeline" in note for note in report.notes)
+
+
+def test_llama3_405b_table4_layout_last_rank_of_8192():
+    """Llama 3 Table 4: TP 8 x PP 16 x DP 64 at 8,192 tokens. Rank 8191 holds the last of 16
+    stages (126 layers: 8 each on the first 14 stages, 7 on the last 2: layers 119-125, the
+    final norm and the output head), tp 7, fsdp 63: the head's 16,032 rows of this tp rank
+    split 251 per FSDP rank, so the last holds 219."""
+    report = _dry_run(str(ROOT / "configs" / "llama3-405b.toml"), [], 8192, 8191)
+    assert report.coordinates == {"pp": 15, "dp_shard": 63, "tp": 7}
+    shapes = _shapes("llama3-405b")
+    held = [n for n in shapes if n.startswith(tuple(f"layers.{i}." for i in range(119, 126)))
+            or n in ("norm.weight", "output.weight")]
+    share = sum(_share(shapes[n], n, (8, 7), (64, 63)) for n in held)
+    assert _share(shapes["output.weight"], "output.weight", (8, 7), (64, 63)) == 219 * 16384
+    assert report.local_params == share
+    assert report.seconds < 120
+
+
+@pytest.mark.slow
+def test_gpt3_175b_megatron_layout_rank_of_64():
+    """configs/gpt3-175b.toml, TP 8 x FSDP 8, the whole step traced (65 s on 2 cores)."""
+    report = _dry_run(str(ROOT / "configs" / "gpt3-175b.toml"), [], 64, 9)
+    assert report.coordinates == {"dp_shard": 1, "tp": 1}
+    job = load_job_config(str(ROOT / "configs" / "gpt3-175b.toml"))
+    shapes = _shapes("gpt3-175b", job.model.overrides())
+    share = sum(_share(shape, name, (8, 1), (8, 1)) for name, shape in shapes.items())
+    _assert_model_states(report, share)
