@@ -12,7 +12,9 @@ What is traced and what is not (each report says so):
   peak of live bytes over the step, and every collective of the step;
 - the step is one micro-batch of the real micro-batch size and sequence length (the rank's
   batch holds ``microbatches`` of them: the others repeat its forward/backward, and gradient
-  accumulation adds no memory beyond the gradients already counted);
+  accumulation adds no memory beyond the gradients already counted), taken after the optimizer
+  state exists (an update of zero gradients before it), so its peak is that of every later
+  step;
 - not traced: ``torch.compile`` (the eager modules run: compiled kernels fuse and so hold less),
   the data loader (a batch of the right shape stands in for the rank's first batch), the NaN
   guard's one host sync (fake tensors have no values), and the checkpoint save.
@@ -134,7 +136,15 @@ def _step(job: JobConfig, model, pmesh, rank: int) -> RankReport:
     tokens = torch.randint(0, model_cfg.vocab_size, (micro, job.data.seq_len + 1))
     batch = model.prepare_batch(Batch(inputs=tokens[:, :-1], targets=tokens[:, 1:]), device)
     autocast = autocast_factory(device, _bf16_if_float8(training.dtype))
-    tracer = StepTracer(_group_names(pmesh), baseline=params)
+    # The optimizer's state exists from the first update on: make it (an update of zero
+    # gradients) so that the traced step is every later step, states held through its
+    # forward/backward.
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad()
+    held = [*params, *_optimizer_tensors(optimizer)]
+    tracer = StepTracer(_group_names(pmesh), baseline=held)
     notes = []
     with tracer:
         tracer.set_phase("forward+backward")

@@ -149,6 +149,11 @@ class PlanSettings:
     """Attention that never stores the s x s scores (FlashAttention / SDPA)."""
     attention_dropout: bool = False
     """Dropout on attention probabilities and residual branches (masks cost 1 byte/element)."""
+    sp_keeps_gathered_inputs: bool = True
+    """Sequence parallelism as the trainer runs it (DTensor): the qkv and first MLP linears keep
+    their all-gathered whole-sequence input for backward, 2sbh(1 - 1/t) bytes per layer more
+    than Megatron-LM, which gathers it again in backward (False: Korthikanti et al. 2022's
+    count). Found by the dry run of Llama 3 8B on TP 8 x FSDP 8 (docs/planner.md)."""
     chunked_loss: bool = True
     """Output projection + cross-entropy in chunks, so full logits are never held."""
     activation_bytes: int = 2

@@ -45,11 +45,16 @@ def zero_model_state_bytes(num_params, shard, stage, param_bytes, grad_bytes, op
 
 
 def layer_activation_bytes(cfg: ModelConfig, *, seq_len, micro_batch, tp, sequence_parallel,
-                           policy, flash_attention: bool, dropout: bool, activation_bytes=2):
+                           policy, flash_attention: bool, dropout: bool, activation_bytes=2,
+                           sp_keeps_gathered_inputs: bool = False):
     """Activation bytes one transformer layer keeps for backward, per microbatch (elementwise).
 
     ``seq_len`` is the local sequence (s / cp); ``policy`` an index into ``AC_POLICIES``. The
     ``full`` policy's stored input only; the recompute working set is added by the caller.
+    ``sp_keeps_gathered_inputs``: under sequence parallelism the column-parallel linears keep
+    the all-gathered (whole-sequence) normed input for their weight gradient, as DTensor's
+    sequence parallelism does, instead of gathering it again in backward as Megatron-LM does
+    (Korthikanti et al. 2022 §4.2.2, whose formula is the default).
     """
     s, b, t = (np.asarray(x, dtype=np.float64) for x in (seq_len, micro_batch, tp))
     sp = np.asarray(sequence_parallel, dtype=bool)
@@ -79,6 +84,9 @@ def layer_activation_bytes(cfg: ModelConfig, *, seq_len, micro_batch, tp, sequen
     if cfg.position_embedding == "relative_xl":
         core = core + _relative_position_bytes(cfg, s, b, t, policy, flash_attention, e)
     stored = np.where(sp, replicated / t, replicated) + sharded + core
+    if sp_keeps_gathered_inputs:
+        gathered = sbh * e * num_linear_inputs * (1.0 - 1.0 / t)
+        stored = stored + np.where(sp & (t > 1), gathered, 0.0)
     layer_input = np.where(sp, e * sbh / t, e * sbh)
     return np.where(policy == AC_FULL, layer_input, stored)
 
@@ -158,7 +166,8 @@ def memory_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layo
     kwargs = dict(seq_len=local_seq, micro_batch=cols.micro_batch_size, tp=cols.tp,
                   sequence_parallel=cols.sequence_parallel,
                   flash_attention=settings.flash_attention, dropout=settings.attention_dropout,
-                  activation_bytes=settings.activation_bytes)
+                  activation_bytes=settings.activation_bytes,
+                  sp_keeps_gathered_inputs=settings.sp_keeps_gathered_inputs)
     per_layer = layer_activation_bytes(cfg, policy=cols.activation_checkpointing, **kwargs)
     layers_held = in_flight_layers(stage_layers, cols.pp, cols.pp_schedule,
                                    cols.pp_virtual_stages, microbatches)

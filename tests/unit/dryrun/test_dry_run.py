@@ -38,6 +38,16 @@ def _numel(preset: str) -> dict[str, int]:
     return {name: p.numel() for name, p in model.named_parameters()}
 
 
+def _assert_planner_within(report: RankReport, config: str, overrides: list[str], world: int,
+                           tolerance: float) -> None:
+    """The planner's peak per device (`dryrun.predict`) against the traced peak."""
+    from densetrain.dryrun.predict import planner_memory
+
+    predicted = planner_memory(load_job_config(config, overrides), world)["total"]
+    assert abs(predicted - report.peak_bytes) <= tolerance * report.peak_bytes, (
+        predicted / 2**30, report.peak_bytes / 2**30)
+
+
 def _assert_model_states(report: RankReport, share_numel: int) -> None:
     assert report.local_params == share_numel
     assert report.param_bytes == 4 * share_numel
@@ -62,6 +72,7 @@ def test_llama3_8b_fsdp_on_8_ranks_holds_an_eighth():
     gathered = collectives[("all_gather", "dp_shard")].bytes
     assert 4 * total < gathered < 2 * 4 * total
     assert collectives[("all_gather", "dp_shard")].calls == 2 * 32 + 1
+    _assert_planner_within(report, LLAMA3_8B, [], 8, 0.10)
 
 
 def test_llama3_8b_tp8_fsdp8_on_64_ranks_holds_a_sixty_fourth():
@@ -73,6 +84,8 @@ def test_llama3_8b_tp8_fsdp8_on_64_ranks_holds_a_sixty_fourth():
     _assert_model_states(report, share)
     groups = {c.group for c in report.collectives}
     assert groups == {"dp_shard", "tp"}
+    # 1.40x the planner before it counted the gathered inputs DTensor's SP keeps (8.72 GiB)
+    _assert_planner_within(report, LLAMA3_8B, ["--parallel.tp=8"], 64, 0.10)
 
 
 def _cli(*words: str, env: dict | None = None) -> subprocess.CompletedProcess:

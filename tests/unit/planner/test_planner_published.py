@@ -16,9 +16,10 @@ from densetrain.planner import Layout, PlanSettings, evaluate_layout, get_cluste
 
 GB = 1e9
 # Megatron-LM 2021-22: no fused attention, dropout, the DP all-reduce after the pipeline flush,
-# and full recompute re-running the whole layer forward.
+# full recompute re-running the whole layer forward, and sequence parallelism that gathers the
+# linears' inputs again in backward.
 MEGATRON = PlanSettings(flash_attention=False, attention_dropout=True, dp_overlap=False,
-                        checkpoint_early_stop=False)
+                        checkpoint_early_stop=False, sp_keeps_gathered_inputs=False)
 
 
 def megatron_gpt(hidden: int, layers: int, heads: int) -> ModelConfig:
