@@ -60,6 +60,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="local processes for the collective measurement (default 2)")
     p.add_argument("--emit-config", default=None, metavar="OUT.toml",
                    help="write the winner as a job config that `densetrain train OUT.toml` runs")
+    p.add_argument("--verify", action="store_true",
+                   help="dry-run the winner's job (as --emit-config writes it) on fake tensors "
+                   "and print each simulated rank's traced memory beside the prediction")
     p.set_defaults(func=run_plan_command)
 
 
@@ -117,9 +120,32 @@ def _emit(args: argparse.Namespace, result) -> None:
 
     is_file = Path(args.model).suffix in (".toml", ".json") or Path(args.model).exists()
     path = emit_config(args.emit_config, result.cfg, result.layout(0), seq_len=result.seq_len,
-                       global_batch=result.global_batch, preset=None if is_file else args.model)
+                       global_batch=result.global_batch, preset=None if is_file else args.model,
+                       precision=args.precision)
     print(f"\nwrote {path}: densetrain train {path} runs the winner on {result.devices} "
           "processes (torchrun --nproc-per-node ...)")
+
+
+def _verify(args: argparse.Namespace, result) -> None:
+    """Dry-run the winner's job and print predicted against traced, per simulated rank."""
+    from pathlib import Path
+
+    from densetrain.dryrun.predict import planner_memory
+    from densetrain.dryrun.report import default_ranks, format_report
+    from densetrain.dryrun.run import dry_run_ranks
+    from densetrain.planner.emit import plan_job
+
+    is_file = Path(args.model).suffix in (".toml", ".json") or Path(args.model).exists()
+    layout = result.layout(0)
+    job = plan_job(result.cfg, layout, seq_len=result.seq_len, global_batch=result.global_batch,
+                   preset=None if is_file else args.model, precision=args.precision)
+    row = result.row(0)
+    print(f"\nverify: the winner's job dry-run on {layout.devices} simulated ranks. The plan "
+          f"counted {row['mem_total'] / 2**30:.2f} GiB per device at precision {args.precision}; "
+          "each 'planner' line below counts again with the bytes the trainer holds (fp32 "
+          "parameters, gradients and gathers) beside what the dry run traced")
+    reports = dry_run_ranks(job, layout.devices, default_ranks(layout.devices, layout.pp))
+    print(format_report(reports, planner_memory(job, layout.devices)))
 
 
 def _print_clusters(extra) -> None:
@@ -178,6 +204,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
         print(full_report(result, top=args.top))
         if args.emit_config:
             _emit(args, result)
+        if args.verify:
+            _verify(args, result)
         return 0
     except NoFeasibleLayoutError as e:  # an answer, not an input error: exit 1 with the why
         print(f"densetrain plan: no feasible layout: {e}", file=sys.stderr)

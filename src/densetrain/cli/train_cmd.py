@@ -85,11 +85,8 @@ def split_config_and_overrides(words: list[str]) -> tuple[str | None, list[str]]
 
 def run_dry(job, args: argparse.Namespace) -> int:
     """``train --dry-run``: each simulated rank in its own process, then the report."""
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
-
     from densetrain.dryrun.report import default_ranks, format_report
-    from densetrain.dryrun.run import dry_run_rank
+    from densetrain.dryrun.run import dry_run_ranks
     from densetrain.errors import UserError
     from densetrain.parallel.mesh import ParallelDims
 
@@ -117,10 +114,7 @@ def run_dry(job, args: argparse.Namespace) -> int:
     else:
         ranks = default_ranks(args.world_size, dims.pp)
     job.validate(world_size=dims.world_size, dp_size=dims.dp_size)  # the real run's one line
-    reports = []
-    for rank in ranks:  # one fresh process per rank: a process group is per process
-        with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-            reports.append(pool.submit(dry_run_rank, job, args.world_size, rank).result())
+    reports = dry_run_ranks(job, args.world_size, ranks)
     from densetrain.dryrun.predict import planner_memory
 
     print(format_report(reports, planner_memory(job, args.world_size)))

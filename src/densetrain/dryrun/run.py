@@ -85,6 +85,19 @@ def _group_names(pmesh) -> dict[str, str]:
     return names
 
 
+def dry_run_ranks(job: JobConfig, world_size: int, ranks: list[int]) -> list[RankReport]:
+    """`dry_run_rank` for each of ``ranks``, each in a fresh process (a process group, and the
+    fake one too, is one per process)."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    reports = []
+    for rank in ranks:
+        with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+            reports.append(pool.submit(dry_run_rank, job, world_size, rank).result())
+    return reports
+
+
 def dry_run_rank(job: JobConfig, world_size: int, rank: int) -> RankReport:
     """Build and step ``rank`` of ``world_size`` for ``job`` without allocating its tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -8,6 +8,7 @@ AdamW's two fp32 moments). Each rank runs in a fresh process (a process group is
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -185,3 +186,18 @@ def test_gpt3_175b_megatron_layout_rank_of_64():
     shapes = _shapes("gpt3-175b", job.model.overrides())
     share = sum(_share(shape, name, (8, 1), (8, 1)) for name, shape in shapes.items())
     _assert_model_states(report, share)
+
+
+def test_plan_verify_dry_runs_the_winner_on_each_role():
+    """``plan --verify`` dry-runs the job ``--emit-config`` would write: every simulated rank's
+    traced bytes are printed beside the planner's count."""
+    done = subprocess.run(
+        [sys.executable, "-m", "densetrain", "plan", "--model", "gpt2-124m", "--devices", "8",
+         "--seq-len", "1024", "--verify"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.split("\nverify: ", 1)[1]
+    ranks = re.findall(r"^rank (\d+) of 8 ", out, flags=re.M)
+    assert ranks == ["0", "7"], out
+    # the emitted job's parameters: GPT-2 small's 124,439,808 (tied head), cut as the layout says
+    assert out.count("124,439,808 parameters") == 2
+    assert len(re.findall(r"traced/predicted peak \d\.\d\d", out)) == 2
