@@ -11,9 +11,11 @@ from __future__ import annotations
 from densetrain.config.job import JobConfig
 
 
-def planner_memory(job: JobConfig, world_size: int) -> dict[str, float]:
+def planner_memory(job: JobConfig, world_size: int, pp_rank: int | None = None
+                   ) -> dict[str, float]:
     """Predicted bytes per device (``params``, ``grads``, ``optimizer``, ``activations``,
-    ``head``, ``buffers``, ``total``) for ``job`` on ``world_size`` ranks."""
+    ``head``, ``buffers``, ``total``) for ``job`` on ``world_size`` ranks: of the fullest
+    pipeline rank, or of pipeline rank ``pp_rank`` (its activations and receive buffers)."""
     from densetrain.parallel.mesh import ParallelDims
     from densetrain.planner.hardware import get_cluster
     from densetrain.planner.layout import Layout, PlanSettings
@@ -30,8 +32,22 @@ def planner_memory(job: JobConfig, world_size: int) -> dict[str, float]:
         micro_batch_size=job.training.micro_batch_size)
     settings = PlanSettings(precision="fp32",
                             activation_bytes=4 if job.training.dtype == "fp32" else 2)
+    keys = ("params", "grads", "optimizer", "activations", "head", "buffers", "total")
+    if pp_rank is not None:
+        from densetrain.planner.layout import LayoutColumns
+        from densetrain.planner.memory import memory_columns
+
+        mem = memory_columns(job.build_model_config(), job.data.seq_len,
+                             job.training.global_batch_size, LayoutColumns.from_layouts([layout]),
+                             settings, pp_rank=pp_rank)
+        return {key: float(mem[key][0]) for key in keys}
     metrics = evaluate_layout(job.build_model_config(), job.data.seq_len,
                               job.training.global_batch_size, layout, get_cluster("h100-80gb"),
                               settings, trainer_rules=False)
-    keys = ("params", "grads", "optimizer", "activations", "head", "buffers", "total")
     return {key: metrics[f"mem_{key}"] for key in keys}
+
+
+def planner_by_rank(job: JobConfig, world_size: int, reports) -> dict[int, dict[str, float]]:
+    """`planner_memory` for each report's rank, at its pipeline position when there is one."""
+    return {r.rank: planner_memory(job, world_size, r.coordinates.get("pp") if job.parallel.pp > 1
+                                   else None) for r in reports}

@@ -17,15 +17,20 @@ def default_ranks(world_size: int, pp: int) -> list[int]:
     return sorted(ranks)
 
 
-def format_report(reports: list[RankReport], predicted: dict[str, float] | None = None,
+def format_report(reports: list[RankReport],
+                  predicted: dict[int, dict[str, float]] | None = None,
                   device_bytes: float | None = None) -> str:
     """Lines of the report (GiB; collectives in GB); ``predicted``: the planner's memory per
-    device (`dryrun.predict.planner_memory`), printed beside the traced figures."""
+    device for each report's rank (`dryrun.predict.planner_by_rank`), printed beside the
+    traced figures."""
     lines = []
     for r in reports:
+        prediction = (predicted or {}).get(r.rank)
         where = ", ".join(f"{k} {v}" for k, v in r.coordinates.items()) or "single process"
+        traced = ("one micro-batch" if r.traced_microbatches == 1
+                  else f"{r.traced_microbatches} micro-batches")
         lines.append(f"rank {r.rank} of {r.world_size} ({where}): {r.local_params:,} parameters;"
-                     f" one micro-batch of {r.micro_batch_size} x {r.seq_len} tokens traced"
+                     f" {traced} of {r.micro_batch_size} x {r.seq_len} tokens traced"
                      f" ({r.microbatches} per step) in {r.seconds:.1f} s")
         lines.append(f"  parameters {r.param_bytes / GIB:8.3f} GiB   gradients "
                      f"{r.grad_bytes / GIB:8.3f} GiB   optimizer "
@@ -37,13 +42,13 @@ def format_report(reports: list[RankReport], predicted: dict[str, float] | None 
             fits = (f"   ({100 * r.peak_bytes / device_bytes:.0f}% of the device's "
                     f"{device_bytes / GIB:.0f} GiB)")
         lines.append(f"  peak      {r.peak_bytes / GIB:8.3f} GiB{fits}   by phase: {phases}")
-        if predicted:
+        if prediction:
             lines.append(
-                f"  planner   parameters {predicted['params'] / GIB:.3f}   gradients "
-                f"{predicted['grads'] / GIB:.3f}   optimizer {predicted['optimizer'] / GIB:.3f}"
-                f"   activations {predicted['activations'] / GIB:.3f}   peak "
-                f"{predicted['total'] / GIB:.3f} GiB (traced/predicted peak "
-                f"{r.peak_bytes / predicted['total']:.2f})")
+                f"  planner   parameters {prediction['params'] / GIB:.3f}   gradients "
+                f"{prediction['grads'] / GIB:.3f}   optimizer {prediction['optimizer'] / GIB:.3f}"
+                f"   activations {prediction['activations'] / GIB:.3f}   buffers "
+                f"{prediction['buffers'] / GIB:.3f}   peak {prediction['total'] / GIB:.3f} GiB "
+                f"(traced/predicted peak {r.peak_bytes / prediction['total']:.2f})")
         for c in r.collectives:
             dtypes = ", ".join(f"{n} {d}" for d, n in sorted(c.dtypes.items()))
             lines.append(f"  {c.kind:<15} over {c.group:<12} {c.calls:5d} calls "

@@ -53,6 +53,7 @@ class RankReport:
     microbatches: int
     local_params: int
     seconds: float
+    traced_microbatches: int = 1
     not_traced: tuple[str, ...] = NOT_TRACED
     notes: list[str] = field(default_factory=list)
 
@@ -146,9 +147,14 @@ def _step(job: JobConfig, model, pmesh, rank: int) -> RankReport:
     micro = training.micro_batch_size
     optimizer = _build_optimizer(model, pmesh, job)
     params = list(model.module.parameters())
-    tokens = torch.randint(0, model_cfg.vocab_size, (micro, job.data.seq_len + 1))
-    batch = model.prepare_batch(Batch(inputs=tokens[:, :-1], targets=tokens[:, 1:]), device)
     autocast = autocast_factory(device, _bf16_if_float8(training.dtype))
+    notes = []
+    traced_micro, untraced_buffers = 1, 0
+    if dims.pp > 1:
+        traced_micro, untraced_buffers = _static_pipeline(model, job, micro, autocast, notes)
+    tokens = torch.randint(0, model_cfg.vocab_size,
+                           (micro * traced_micro, job.data.seq_len + 1))
+    batch = model.prepare_batch(Batch(inputs=tokens[:, :-1], targets=tokens[:, 1:]), device)
     # The optimizer's state exists from the first update on: make it (an update of zero
     # gradients) so that the traced step is every later step, states held through its
     # forward/backward.
@@ -158,13 +164,9 @@ def _step(job: JobConfig, model, pmesh, rank: int) -> RankReport:
     optimizer.zero_grad()
     held = [*params, *_optimizer_tensors(optimizer)]
     tracer = StepTracer(_group_names(pmesh), baseline=held)
-    notes = []
     with tracer:
         tracer.set_phase("forward+backward")
-        if dims.pp > 1:
-            # torch's pipeline schedule agrees shapes and modes with its neighbours by p2p at
-            # its first step, which no fake peer answers: the gradients are made instead.
-            notes.append("pipeline forward/backward not traced: gradients made as zeros")
+        if dims.pp > 1 and traced_micro == 0:
             for param in params:
                 param.grad = torch.zeros_like(param)
         else:
@@ -181,11 +183,90 @@ def _step(job: JobConfig, model, pmesh, rank: int) -> RankReport:
                      if dims.degree(axis) > 1},
         param_bytes=_storage_bytes(params), grad_bytes=_storage_bytes(grads),
         optimizer_bytes=_storage_bytes(_optimizer_tensors(optimizer)),
-        peak_bytes=tracer.peak, phase_peaks=dict(tracer.phase_peaks),
+        peak_bytes=tracer.peak + untraced_buffers,
+        phase_peaks={phase: peak + untraced_buffers for phase, peak in tracer.phase_peaks.items()},
         collectives=sorted(tracer.collectives.values(), key=lambda c: (c.group, c.kind)),
         micro_batch_size=micro, seq_len=job.data.seq_len,
-        microbatches=local_batch // micro,
+        microbatches=local_batch // micro, traced_microbatches=max(traced_micro, 1),
         local_params=sum((p.to_local() if hasattr(p, "to_local") else p).numel()
                          for p in params),
         seconds=0.0, notes=notes,
     )
+
+
+def _static_pipeline(model, job: JobConfig, micro: int, autocast,
+                     notes: list[str]) -> tuple[int, int]:
+    """Give this rank's pipeline a schedule that knows its stages' input and output shapes, over
+    the microbatches that reach the schedule's peak. Returns how many it runs (0: the schedule
+    cannot run here, and ``notes`` says why) and the bytes of the receive buffers of the step's
+    other microbatches.
+
+    torch's schedule settles at its first step, by p2p with the neighbouring stages, whether the
+    stages' shapes are given (a vote) or must be inferred (an exchange of metadata); a fake peer
+    answers neither. Given every stage's shapes (found here by running the stage's own forward
+    on a fake input) each stage votes "static", so the vote is taken as its outcome and the
+    schedule runs as in a real run: its sends and receives go to the fake process group. The
+    vote is torch-internal (``_warmup_p2p``, ``_inference_mode``): a torch without it gets the
+    gradients made instead, and the report says so.
+
+    Memory: 1F1B holds at most ``pp`` microbatches in flight and the interleaved schedules at most
+    ``2 * pp`` per stage, so the schedule runs ``min(m, pp)`` (``min(m, 2 * pp)``) of the step's
+    ``m`` microbatches (the later ones repeat its steady state); GPipe holds all ``m`` and runs
+    them all. torch allocates, at the first step, one activation and one gradient receive buffer
+    per stage for every microbatch of the step, kept for the schedule's life: those of the
+    microbatches not run are counted from the stage's shapes (modelled, and the report says so).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    from densetrain.parallel.pipeline import make_schedule
+
+    try:
+        from torch.distributed.pipelining._utils import InferenceMode
+    except ImportError:
+        InferenceMode = None  # noqa: N806
+    pipeline, pmesh, cfg = model.pipeline, model.pmesh, job.parallel
+    if InferenceMode is None or pipeline.loss_fn is None:
+        notes.append(f"pipeline forward/backward not traced (torch {torch.__version__} has no "
+                     "static stage vote): gradients made as zeros")
+        return 0, 0
+    m, pp = pipeline.num_microbatches, pmesh.dims.pp
+    in_flight = {"gpipe": m, "1f1b": pp}.get(cfg.pp_schedule, 2 * pp)
+    count = min(m, in_flight)
+    buffer_bytes = []  # per microbatch: what each stage receives (activations, gradients)
+    seq = job.data.seq_len // pmesh.dims.cp
+    dim = job.build_model_config().dim
+
+    def stage_io(stage_id: int, module) -> tuple:
+        dtype = next(module.parameters()).dtype  # the residual stream's (autocast leaves it)
+        if stage_id == 0:
+            inputs = torch.zeros((micro, seq), dtype=torch.long)
+        else:
+            inputs = torch.zeros((micro, seq, dim), dtype=dtype)
+        with torch.no_grad(), autocast():
+            outputs = module(inputs)
+        for sub in module.modules():  # as torch's own shape inference leaves FSDP
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
+        # as in training: the received activations and the stage's output carry gradients
+        if inputs.is_floating_point():
+            inputs.requires_grad_(True)
+        first, last = stage_id == 0, stage_id == pipeline.num_stages - 1
+        buffer_bytes.append((0 if first else inputs.nbytes) + (0 if last else outputs.nbytes))
+        return inputs, outputs.detach().requires_grad_(True)
+
+    schedule = make_schedule(pipeline.modules, pipeline.stage_ids, pipeline.num_stages, pmesh,
+                             cfg, pipeline.loss_fn, microbatches=count,
+                             device=torch.device("cpu"), stage_io=stage_io)
+
+    def static_vote(stages, has_backward, p2p_done) -> None:
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = static_vote
+    pipeline.schedule, pipeline.num_microbatches = schedule, count
+    untraced = (m - count) * sum(buffer_bytes)
+    if count < m:
+        notes.append(f"pipeline: {count} of the step's {m} microbatches traced (the schedule's "
+                     f"peak; the rest repeat its steady state); modelled: their receive buffers, "
+                     f"{untraced / 2**30:.3f} GiB, added to every phase")
+    return count, untraced

@@ -79,6 +79,7 @@ class Pipeline:
     stage_ids: list[int]
     num_stages: int
     num_microbatches: int
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def has_first_stage(self) -> bool:
@@ -148,8 +149,6 @@ def build_pipeline(
     the meta device; each stage keeps its ``num_layers`` share, is parallelized, and only then
     materialised on ``device`` and initialised (inside ``materialize()``: `build_model`), so a
     rank allocates its own stages alone."""
-    import torch.distributed.pipelining as pipelining
-
     from densetrain.parallel.parallelize import init_weights, parallelize
 
     dims = pmesh.dims
@@ -159,7 +158,7 @@ def build_pipeline(
     sizes = layer_split(num_layers, num_stages, cfg.pp_layer_split)
     pp_rank = pp_mesh.get_local_rank()
     stage_ids = stage_ids_for_rank(pp_rank, dims.pp, virtual, cfg.pp_schedule)
-    modules, stages = [], []
+    modules = []
     for stage_id in stage_ids:
         module = split_stage(model_factory(), stage_id, sizes)
         module = parallelize(module, pmesh, cfg)
@@ -167,20 +166,37 @@ def build_pipeline(
             module.to_empty(device=device)
             init_weights(module, init_seed)
         modules.append(module)
-        stages.append(
-            pipelining.PipelineStage(
-                module, stage_id, num_stages, device, group=pp_mesh.get_group()
-            )
-        )
     microbatches = cfg.num_microbatches
+    schedule = make_schedule(modules, stage_ids, num_stages, pmesh, cfg, loss_fn,
+                             microbatches=microbatches, device=device)
+    return Pipeline(schedule=schedule, modules=modules, stage_ids=stage_ids, num_stages=num_stages,
+                    num_microbatches=microbatches, loss_fn=loss_fn)
+
+
+def make_schedule(modules: list[nn.Module], stage_ids: list[int], num_stages: int,
+                  pmesh: ParallelMesh, cfg: ParallelConfig,
+                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
+                  microbatches: int, device: torch.device,
+                  stage_io: Callable[[int, nn.Module], tuple] | None = None) -> object:
+    """The schedule of ``cfg.pp_schedule`` over this rank's stage ``modules``.
+
+    ``stage_io(stage_id, module)``, when given, returns the stage's ``(input_args,
+    output_args)`` (tensors of the shapes and dtypes one microbatch passes): torch then skips the
+    shape exchange with the neighbouring stages at the first step (a dry run has no
+    neighbours to answer it)."""
+    import torch.distributed.pipelining as pipelining
+
+    group = pmesh.submesh("pp").get_group()
+    stages = []
+    for stage_id, module in zip(stage_ids, modules, strict=True):
+        io = stage_io(stage_id, module) if stage_io is not None else (None, None)
+        stages.append(pipelining.PipelineStage(module, stage_id, num_stages, device, group=group,
+                                               input_args=io[0], output_args=io[1]))
     if cfg.pp_schedule in _SINGLE_STAGE:
         cls = getattr(pipelining, _SINGLE_STAGE[cfg.pp_schedule])
-        schedule = cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
-    else:
-        cls = getattr(pipelining, _MULTI_STAGE[cfg.pp_schedule])
-        schedule = cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
-    return Pipeline(schedule=schedule, modules=modules, stage_ids=stage_ids, num_stages=num_stages,
-                    num_microbatches=microbatches)
+        return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    cls = getattr(pipelining, _MULTI_STAGE[cfg.pp_schedule])
+    return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
 
 
 def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:

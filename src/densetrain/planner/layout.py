@@ -154,6 +154,25 @@ class PlanSettings:
     their all-gathered whole-sequence input for backward, 2sbh(1 - 1/t) bytes per layer more
     than Megatron-LM, which gathers it again in backward (False: Korthikanti et al. 2022's
     count). Found by the dry run of Llama 3 8B on TP 8 x FSDP 8 (docs/planner.md)."""
+    pp_recv_buffer_per_microbatch: bool = True
+    """Pipeline stages as the trainer runs them (``torch.distributed.pipelining``): at its first
+    step each stage allocates one activation and one gradient receive buffer per microbatch of
+    the step, kept for the schedule's life. The fullest rank (pp rank 0: its first stage gets no
+    activations, so ``2v - 1`` buffers per microbatch) holds ``m (2v - 1) b s h`` elements of the
+    residual stream's dtype (False: Megatron-LM, which receives into per-step tensors). Found by
+    the dry run of Llama 3 405B (docs/planner.md)."""
+    pp_holds_stage_outputs: bool = True
+    """Pipeline stages as the trainer runs them: the schedule keeps each in-flight microbatch's
+    stage output (whole-sequence under sequence parallel, which gathers it to send it) until
+    its backward: ``b s h`` elements of the residual stream's dtype per chunk in flight (False:
+    Megatron-LM, which frees the output's data once sent). Found by the dry run of Llama 3 405B
+    (docs/planner.md)."""
+    pp_keeps_stage_unsharded: bool = True
+    """ZeRO-3 under pipeline parallel as torch's schedule runs it: the backward of every
+    microbatch but the last keeps the stage's parameters gathered (no reshard after backward,
+    no gradient reduce-scatter until the last), so a rank holds its stage's whole parameters,
+    unsharded over data parallel, through the step. Found by the dry run of Llama 3 70B
+    (docs/planner.md)."""
     chunked_loss: bool = True
     """Output projection + cross-entropy in chunks, so full logits are never held."""
     activation_bytes: int = 2

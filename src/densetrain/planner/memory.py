@@ -116,8 +116,9 @@ def _relative_position_bytes(cfg: ModelConfig, s, b, t, policy, flash_attention:
     return position_inputs / t + np.where(policy == AC_SELECTIVE, scores, 0.0)
 
 
-def in_flight_layers(num_layers_stage, pp, schedule, virtual_stages, microbatches):
-    """Layer-microbatches of activations the first pipeline stage holds at its peak.
+def in_flight_layers(num_layers_stage, pp, schedule, virtual_stages, microbatches, pp_rank=0):
+    """Layer-microbatches of activations pipeline rank ``pp_rank`` (default: the first, the
+    fullest) holds at its peak.
 
     1F1B keeps min(pp, m) microbatches of its layers, GPipe all m, interleaved 1F1B
     pp (1 + (pp-1)/(pp v)) (Korthikanti et al. 2022, sec. 4.2.3); without a pipeline, one.
@@ -129,13 +130,43 @@ def in_flight_layers(num_layers_stage, pp, schedule, virtual_stages, microbatche
     m = np.asarray(microbatches, dtype=np.float64)
     v = np.asarray(virtual_stages, dtype=np.float64)
     layers = np.asarray(num_layers_stage, dtype=np.float64)
-    one_f = np.minimum(pp, m)
+    r = np.asarray(pp_rank, dtype=np.float64)
+    one_f = np.minimum(pp - r, m)
+    # interleaved: rank r warms up (v - 1) pp + 2 (pp - 1 - r) chunks and holds one more
     factor = np.select(
         [pp == 1, schedule == GPIPE, (schedule == INTERLEAVED) | (schedule == ZERO_BUBBLE)],
-        [1.0, m, pp * (1 + (pp - 1) / (pp * v))],
+        [1.0, m, pp + (pp - 1 - 2 * r) / v],
         default=one_f,
     )
     return layers * factor
+
+
+def _pipeline_rank_memory(cols: LayoutColumns, settings: PlanSettings, per_layer, stage_layers,
+                          microbatches, hidden, *, pp_rank):
+    """Activations and pipeline receive buffers (bytes) of pipeline rank ``pp_rank``.
+
+    torch's pipeline stage (the trainer's) allocates at its first step one activation receive
+    buffer (every stage but the first) and one gradient receive buffer (every stage but the
+    last) per microbatch of the step, and keeps each in-flight chunk's output until its
+    backward (``PlanSettings.pp_recv_buffer_per_microbatch``, ``pp_holds_stage_outputs``)."""
+    v, pp = cols.pp_virtual_stages, cols.pp
+    layers_held = in_flight_layers(stage_layers, pp, cols.pp_schedule, v, microbatches,
+                                   pp_rank=pp_rank)
+    activations = per_layer * layers_held
+    piped = pp > 1
+    rank = np.broadcast_to(np.asarray(pp_rank), pp.shape)
+    first, last = rank == 0, rank == pp - 1
+    if settings.pp_holds_stage_outputs:  # chunks in flight: layers held over a chunk's layers
+        chunks = layers_held / (stage_layers / v)
+        holds = piped & ~(last & (v == 1))  # a last stage ends in the loss, not an output
+        activations = activations + np.where(holds, chunks * hidden, 0.0)
+    recv = np.zeros(len(cols))
+    if settings.pp_recv_buffer_per_microbatch:
+        # ZB-V: rank 0 holds the first and the last stage (2 buffers), the others 4
+        count = np.where(cols.pp_schedule == ZBV, np.where(first, 2, 4),
+                         2 * v - first.astype(np.float64) - last.astype(np.float64))
+        recv = np.where(piped, microbatches * count * hidden, 0.0)
+    return activations, recv
 
 
 def stage_tables(cfg: ModelConfig, cols: LayoutColumns):
@@ -154,8 +185,11 @@ def stage_tables(cfg: ModelConfig, cols: LayoutColumns):
 
 
 def memory_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: LayoutColumns,
-                   settings: PlanSettings) -> dict[str, np.ndarray]:
-    """Bytes per device by component for every row of ``cols`` (worst pipeline stage)."""
+                   settings: PlanSettings, *, pp_rank: int | None = None
+                   ) -> dict[str, np.ndarray]:
+    """Bytes per device by component for every row of ``cols``: of the fullest pipeline rank,
+    or of pipeline rank ``pp_rank`` (its activations and receive buffers; parameters and the
+    rest are the fullest stage's)."""
     p_bytes, g_bytes, o_bytes, gather_bytes = settings.bytes_per_param
     stage_params, layer_params, stage_layers = stage_tables(cfg, cols)
     params, grads, optim = zero_model_state_bytes(
@@ -169,12 +203,19 @@ def memory_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layo
                   activation_bytes=settings.activation_bytes,
                   sp_keeps_gathered_inputs=settings.sp_keeps_gathered_inputs)
     per_layer = layer_activation_bytes(cfg, policy=cols.activation_checkpointing, **kwargs)
-    layers_held = in_flight_layers(stage_layers, cols.pp, cols.pp_schedule,
-                                   cols.pp_virtual_stages, microbatches)
-    activations = per_layer * layers_held
     # Full recompute rebuilds one layer's activations at a time during backward.
     working = layer_activation_bytes(cfg, policy=np.full(len(cols), AC_NONE), **kwargs)
-    activations = activations + np.where(cols.activation_checkpointing == AC_FULL, working, 0.0)
+    working = np.where(cols.activation_checkpointing == AC_FULL, working, 0.0)
+    hidden = cols.micro_batch_size * local_seq * cfg.dim * p_bytes  # residual stream, 1 chunk
+    activations, recv = _pipeline_rank_memory(cols, settings, per_layer, stage_layers,
+                                              microbatches, hidden, pp_rank=pp_rank or 0)
+    # The second pipeline rank holds one (interleaved: two) chunk fewer in flight but, a
+    # middle stage, receives both activations and gradients: it can be the fuller one.
+    second = _pipeline_rank_memory(cols, settings, per_layer, stage_layers, microbatches,
+                                   hidden, pp_rank=np.minimum(1, cols.pp - 1))
+    take_second = (second[0] + second[1] > activations + recv) & (pp_rank is None)
+    activations = np.where(take_second, second[0], activations) + working
+    recv = np.where(take_second, second[1], recv)
     tokens = local_seq * cols.micro_batch_size
     head = 2.0 * settings.activation_bytes * tokens * cfg.embed_dim
     head = np.where(cols.sequence_parallel, head / cols.tp, head)
@@ -185,6 +226,10 @@ def memory_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layo
     fsdp = (cols.zero_stage == 3) & (cols.dp_shard > 1)
     buffers = np.where(fsdp, layer_params * (2 * gather_bytes + g_bytes), 0.0)
     buffers = buffers + settings.workspace_gb * 1e9
+    buffers = buffers + recv
+    if settings.pp_keeps_stage_unsharded:
+        whole_stage = (cols.pp > 1) & fsdp
+        buffers = buffers + np.where(whole_stage, stage_params * gather_bytes, 0.0)
     total = params + grads + optim + activations + head + buffers
     return {"params": params, "grads": grads, "optimizer": optim, "activations": activations,
             "head": head, "buffers": buffers, "total": total, "stage_params": stage_params,

@@ -19,7 +19,9 @@ GB = 1e9
 # full recompute re-running the whole layer forward, and sequence parallelism that gathers the
 # linears' inputs again in backward.
 MEGATRON = PlanSettings(flash_attention=False, attention_dropout=True, dp_overlap=False,
-                        checkpoint_early_stop=False, sp_keeps_gathered_inputs=False)
+                        checkpoint_early_stop=False, sp_keeps_gathered_inputs=False,
+                        pp_recv_buffer_per_microbatch=False, pp_holds_stage_outputs=False,
+                        pp_keeps_stage_unsharded=False)
 
 
 def megatron_gpt(hidden: int, layers: int, heads: int) -> ModelConfig:
