@@ -122,15 +122,33 @@ def _tasks(args: argparse.Namespace) -> int:
 def _harness(args: argparse.Namespace) -> int:
     import importlib.util
 
-    from densetrain.eval.lm_eval_adapter import run_lm_eval
+    from densetrain.eval.lm_eval_adapter import harness_task_manager, run_lm_eval, unknown_tasks
 
-    if importlib.util.find_spec("lm_eval") is None:  # say so before loading the model
+    # Every check before the model loads: the harness, the include path and the task names.
+    if importlib.util.find_spec("lm_eval") is None:
         raise ImportError("lm-evaluation-harness is not installed; `pip install lm-eval`")
+    include = args.include_path
+    if include is not None and not Path(include).is_dir():
+        what = "is a file" if Path(include).exists() else "does not exist"
+        raise UserError(f"--include-path {include} {what}; it takes a directory of "
+                        "lm-evaluation-harness task YAML files")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise UserError(f"--tasks {args.tasks!r} names no task; give comma-separated harness "
+                        "task names")
+    manager = harness_task_manager(include)
+    missing = unknown_tasks(manager, tasks)
+    if missing:
+        where = (f"nor a task defined under --include-path {include}" if include is not None
+                 else "(a task of your own: define it in YAML and give --include-path DIR)")
+        raise UserError(f"--tasks: {', '.join(missing)} "
+                        f"{'is' if len(missing) == 1 else 'are'} not an lm-evaluation-harness "
+                        f"task {where}")
     model, tokenizer = _load(args)
-    tasks = [t for t in args.tasks.split(",") if t]
     results = run_lm_eval(
         model, tokenizer, tasks, num_fewshot=args.shots, limit=args.limit or None,
-        batch_size=args.batch_size, prefix=args.prefix,
+        task_manager=manager, include_path=include, batch_size=args.batch_size,
+        prefix=args.prefix,
     )
     _emit(args, {"model": str(args.model), "results": results},
           [json.dumps(results, indent=2, default=str)])
@@ -256,6 +274,8 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     _add_model_args(harness)
     _add_scoring_args(harness)
     harness.add_argument("--tasks", required=True, help="comma-separated harness task names")
+    harness.add_argument("--include-path", metavar="DIR",
+                         help="directory of your own task YAML files (local tasks)")
     harness.add_argument("--shots", type=count(0), default=None, help="num_fewshot")
     harness.add_argument("--limit", type=count(0, "0 = all"), default=0,
                          help="examples per task; 0 = all")

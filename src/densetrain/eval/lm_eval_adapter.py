@@ -10,14 +10,25 @@ harness's ``Instance``), without importing ``lm_eval``:
   ``max_gen_toks``, ``do_sample``, ``temperature``, ``top_k``, ``top_p`` -> the continuation,
   cut before the first stop string. Decoding goes through ``densetrain.generate`` (KV cache).
 
-``make_lm_eval_model`` wraps it in a subclass of ``lm_eval.api.model.LM`` and ``run_lm_eval``
-calls ``lm_eval.simple_evaluate``; both import ``lm_eval`` only when called (an optional
-dependency: ``pip install lm-eval``).
+Requests are read as the harness's own Hugging Face backend (``model="hf"``) reads them, so the
+two give the same results on an exported run (tests/unit/eval/test_eval_lm_eval_real.py), with
+one choice of densetrain's: the prefix token (before an empty context or a rolling text) is
+``prefix="eos"`` by default, the document separator densetrain trains with, where the ``hf``
+backend takes the tokenizer's BOS when it has one (``prefix="bos"``, or ``prefix_token_id=`` in
+the ``hf`` backend's model_args, makes them agree).
+
+``make_lm_eval_model`` wraps it in a subclass of ``lm_eval.api.model.LM``, ``run_lm_eval``
+calls ``lm_eval.simple_evaluate`` (task names checked first, local task YAML files found
+through ``include_path``); they import ``lm_eval`` only when called (an optional dependency:
+``pip install lm-eval``).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -114,14 +125,20 @@ class HarnessAdapter:
         return text[: min(cuts)] if cuts else text
 
 
-def make_lm_eval_model(model: torch.nn.Module, tokenizer, **options: Any):
-    """An ``lm_eval.api.model.LM`` instance over ``model`` (needs ``pip install lm-eval``)."""
+def _require_lm_eval() -> None:
     try:
-        from lm_eval.api.model import LM
+        import lm_eval  # noqa: F401
     except ImportError as error:
         raise ImportError(
             "lm-evaluation-harness is not installed; `pip install lm-eval` to use it"
         ) from error
+
+
+def make_lm_eval_model(model: torch.nn.Module, tokenizer, **options: Any):
+    """An ``lm_eval.api.model.LM`` instance over ``model`` (needs ``pip install lm-eval``)."""
+    _require_lm_eval()
+    from lm_eval.api.model import LM
+
     adapter = HarnessAdapter(model, tokenizer, **options)
 
     class DensetrainLM(LM):
@@ -139,6 +156,25 @@ def make_lm_eval_model(model: torch.nn.Module, tokenizer, **options: Any):
     return DensetrainLM()
 
 
+def harness_task_manager(include_path: str | os.PathLike | None = None):
+    """An ``lm_eval.tasks.TaskManager`` of the harness's tasks plus the task YAML files under
+    ``include_path`` (a directory; ``NotADirectoryError`` naming it when it is not one)."""
+    if include_path is not None and not Path(include_path).is_dir():
+        what = "is a file" if Path(include_path).exists() else "does not exist"
+        raise NotADirectoryError(
+            f"include path {include_path} {what}; give a directory of harness task YAML files"
+        )
+    _require_lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(include_path) if include_path is not None else None)
+
+
+def unknown_tasks(task_manager, tasks: Sequence[str]) -> list[str]:
+    """The names of ``tasks`` (globs allowed) that match no task, group or tag."""
+    return [t for t in tasks if not task_manager.match_tasks([t])]
+
+
 def run_lm_eval(
     model: torch.nn.Module,
     tokenizer,
@@ -146,13 +182,33 @@ def run_lm_eval(
     *,
     num_fewshot: int | None = None,
     limit: int | None = None,
+    include_path: str | os.PathLike | None = None,
+    task_manager=None,
     **options: Any,
 ) -> dict:
-    """``lm_eval.simple_evaluate`` on ``tasks`` (harness task names); returns its results."""
+    """``lm_eval.simple_evaluate`` on ``tasks`` (harness task names, or names of tasks defined
+    under ``include_path``); returns its results. A name that matches no task is a
+    ``ValueError`` naming it, raised before anything is evaluated."""
+    if task_manager is None:
+        task_manager = harness_task_manager(include_path)
+    missing = unknown_tasks(task_manager, tasks)
+    if missing:
+        where = f" or under {include_path}" if include_path is not None else ""
+        raise ValueError(f"unknown harness task(s) {missing}: not lm-evaluation-harness tasks"
+                         f"{where}")
     lm = make_lm_eval_model(model, tokenizer, **options)
     import lm_eval
 
     output = lm_eval.simple_evaluate(
-        model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit
+        model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+        task_manager=task_manager,
     )
-    return output["results"] if output else {}
+    if not output:
+        return {}
+    # Plain JSON values: the harness leaves numpy scalars (np.float64, np.int64) in its results.
+    return json.loads(json.dumps(output["results"], default=_plain_value))
+
+
+def _plain_value(value: Any) -> Any:
+    item = getattr(value, "item", None)
+    return item() if callable(item) else str(value)
