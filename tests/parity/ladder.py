@@ -25,13 +25,29 @@ LR = 3e-3
 WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod", "module")
 
 
-def tiny_model_config(**overrides) -> ModelConfig:
-    """4 layers (PP up to 4), GQA (4 heads, 2 kv heads), SwiGLU, vocab 101 (prime: no tp divides
-    it, so the vocab-parallel embedding and head are sharded unevenly)."""
+ARCHITECTURES: dict[str, dict] = {
+    # Llama-style: RMSNorm, rope, SwiGLU, no biases, untied embeddings (the config defaults)
+    "llama": {},
+    # GPT-2/GPT-3-style (models/presets/gpt2.py): pre-LayerNorm with biases, learned absolute
+    # positions, GELU (tanh) MLP with biases, biased attention, tied input/output embeddings
+    "gpt2": dict(
+        num_kv_heads=4, norm_type="layernorm", norm_bias=True, position_embedding="learned",
+        qkv_bias=True, attn_out_bias=True, activation="gelu_tanh", mlp_bias=True,
+        tie_embeddings=True,
+    ),
+}
+"""The architectures the ladder's tiny model comes in (``architecture=``, a layout's ``_arch``)."""
+
+
+def tiny_model_config(architecture: str = "llama", **overrides) -> ModelConfig:
+    """4 layers (PP up to 4), 4 heads, vocab 101 (prime: no tp divides it, so the vocab-parallel
+    embedding and head are sharded unevenly), in one of `ARCHITECTURES`: by default Llama-style
+    with GQA (2 kv heads) and SwiGLU; ``overrides`` are applied last."""
     fields = dict(
         vocab_size=101, dim=64, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=128,
         max_seq_len=SEQ_LEN,
     )
+    fields.update(ARCHITECTURES[architecture])
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -63,11 +79,12 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def run_control(
-    steps: int = STEPS, model_overrides: dict | None = None, clip: float = 0.0
+    steps: int = STEPS, model_overrides: dict | None = None, clip: float = 0.0,
+    architecture: str = "llama",
 ) -> dict:
     """One process, no parallelism: the reference losses and final weights."""
     torch.manual_seed(0)
-    model = Transformer(tiny_model_config(**(model_overrides or {})))
+    model = Transformer(tiny_model_config(architecture, **(model_overrides or {})))
     model.init_weights(seed=SEED)
     opt = adamw(list(model.parameters()))
     losses = []
@@ -143,7 +160,7 @@ def setup_layout(world: int, layout: dict, *, compile: bool = False) -> LayoutRu
     layout = dict(layout)
     via_compute_loss = layout.pop("_compute_loss", False)
     clip = layout.pop("_clip", 0.0)
-    model_cfg = tiny_model_config(**layout.pop("_model", {}))
+    model_cfg = tiny_model_config(layout.pop("_arch", "llama"), **layout.pop("_model", {}))
     cfg = ParallelConfig(**layout)
     dims = ParallelDims.from_config(cfg, world)
     require_runnable(cfg, model_cfg, dims, micro_batch_size=1)
@@ -180,7 +197,10 @@ def train_steps(run: LayoutRun, steps: range, memory_at: int = -1):
 def run_layout(
     rank: int, world: int, layout: dict, steps: int = STEPS, *, compile: bool = False
 ) -> dict:
-    """Train the tiny model on ``layout`` (ParallelConfig fields, no pp) on this rank."""
+    """Train the tiny model on ``layout`` (ParallelConfig fields, no pp) on this rank.
+
+    Besides ParallelConfig fields a layout may hold ``_arch`` (a key of `ARCHITECTURES`),
+    ``_model`` (ModelConfig overrides), ``_compute_loss`` and ``_clip`` (see `LayoutRun`)."""
     run = setup_layout(world, layout, compile=compile)
     start = time.perf_counter()
     losses, memory = train_steps(run, range(steps), memory_at=steps - 1)

@@ -22,8 +22,9 @@ and where each comes from:
   ``pp_microbatches`` >= pp except for GPipe, ``pp_layer_split`` has pp x v entries summing to
   the layers, at most one stage per layer;
 - tensor parallel: tp divides the heads and the ffn width, tp divides the kv heads or is a
-  multiple of them; the plan covers pre-norm sequential blocks with a final norm and untied
-  embeddings, without qk-norm, embedding projections, learned positions or an embedding norm;
+  multiple of them; the plan covers pre-norm sequential blocks with a final norm, tied or untied
+  embeddings and learned positions (GPT-2/GPT-3), without qk-norm, embedding projections or an
+  embedding norm;
 - sequence parallel: the per-cp-rank sequence is a multiple of tp;
 - context parallel: the sequence is a multiple of 2 x cp (load-balanced chunks); attention is
   plain causal (no ALiBi, no sliding window shorter than the sequence, no document masks);
@@ -101,18 +102,22 @@ def _microbatches(f: Any, r: RunShape) -> Any:
 
 
 def _tp_unsupported(m: Any) -> list[str]:
-    """The model features the tensor-parallel plan does not cover (empty: all covered)."""
+    """The model features the tensor-parallel plan does not cover (empty: all covered).
+
+    Covered besides the plain pre-norm block: tied embeddings (the vocab-parallel embedding is
+    the vocab-parallel head's weight, one DTensor, as Megatron-LM trained GPT-2) and learned
+    absolute positions (the table is replicated over tp; with sequence parallel each rank adds
+    its slice). Transformer-XL relative positions have their own rule below.
+    """
     found = []
     if m.block_type != "sequential" or m.norm_position != "pre":
         found.append(f"block_type={m.block_type!r}, norm_position={m.norm_position!r} "
                      "(pre-norm sequential blocks only)")
-    for flag in ("tie_embeddings", "qk_norm", "embedding_norm"):
+    for flag in ("qk_norm", "embedding_norm"):
         if getattr(m, flag):
             found.append(f"{flag}=True")
     if m.embed_dim != m.dim:
         found.append(f"embed_dim={m.embed_dim} != dim={m.dim} (embedding projections)")
-    if m.position_embedding == "learned":
-        found.append('position_embedding="learned"')
     if not m.final_norm:
         found.append("final_norm=False (the vocab-parallel head needs the final norm)")
     return found

@@ -6,9 +6,14 @@ Per block: ``wq/wk/wv`` and ``w_up/w_gate`` are split by output features (column
 and one backward. With sequence parallel the norms (and dropout) run on a 1/tp slice of the
 sequence and that all-reduce becomes a reduce-scatter plus an all-gather. The token embedding is
 vocab-parallel (row-wise over the padded vocab, which need not divide by tp: DTensor shards it
-unevenly) and the output projection is column-wise over the vocab. The model's ``loss_head`` is
-set to a vocab-parallel cross-entropy of each rank's logit slice (``parallel/loss.py``);
-``forward`` without targets returns the gathered logits.
+unevenly) and the output projection is column-wise over the vocab. With tied embeddings
+(GPT-2/GPT-3) the head has no weight of its own: the logits use the token embedding, whose
+vocab-parallel [P, E] shard (Shard(0)) is exactly the column-wise head's, so the one DTensor
+serves both and receives both gradients. Learned absolute positions (``pos_embeddings``) are
+replicated over tp; with sequence parallel each rank adds only its sequence slice of them (the
+gradient is gathered back to the whole table). The model's ``loss_head`` is set to a
+vocab-parallel cross-entropy of each rank's logit slice (``parallel/loss.py``); ``forward``
+without targets returns the gathered logits.
 
 GQA: kv heads are split across tp ranks when tp divides them. With fewer kv heads than tp ranks
 (kv dividing tp; MQA is kv = 1), the kv projections are replicated on every rank and each rank
@@ -22,7 +27,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -31,6 +43,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from densetrain.models.transformer import TiedOutput
 
 
 def _attention_plan(attn: nn.Module, tp: int, sequence_parallel: bool) -> dict:
@@ -75,6 +90,66 @@ class _ReplicatedKV(ColwiseParallel):
         return outputs[..., start:end]
 
 
+class _ReplicatedPositions(ParallelStyle):
+    """The learned position table [rows, D], replicated on every tp rank.
+
+    The positions come in whole (Replicate) and the embedding output leaves as a plain tensor
+    in the residual stream's layout: whole without sequence parallel, this rank's slice of the
+    sequence (Shard(1)) with it. Slicing a Replicate DTensor is local; its backward gathers
+    the slices' gradients, so every rank computes the same, full gradient of the table.
+    """
+
+    def __init__(self, output_layout) -> None:
+        super().__init__()
+        self.output_layout = output_layout
+
+    @staticmethod
+    def _partition(name, module, mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            # Every rank holds the same (not yet initialised) values: no broadcast needed.
+            replicated = nn.Parameter(
+                DTensor.from_local(param.data, mesh, [Replicate()], run_check=False),
+                requires_grad=param.requires_grad,
+            )
+            module.register_parameter(pname, replicated)
+
+    @staticmethod
+    def _prepare_input(mod, inputs, mesh):
+        positions = inputs[0]
+        if not isinstance(positions, DTensor):
+            positions = DTensor.from_local(positions, mesh, [Replicate()], run_check=False)
+        return (positions, *inputs[1:])
+
+    def _prepare_output(self, mod, outputs, mesh):
+        if outputs.placements != (self.output_layout,):
+            outputs = outputs.redistribute(mesh, [self.output_layout])
+        return outputs.to_local()
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, self._partition,
+            input_fn=self._prepare_input,
+            output_fn=lambda mod, outputs, mesh: self._prepare_output(mod, outputs, mesh),
+        )
+
+
+class _TiedVocabParallelHead(ParallelStyle):
+    """The head of a tied model (`TiedOutput`): its weight is the token embedding, already
+    vocab-parallel (Shard(0), the layout of a column-wise head), so only the optional
+    ``lm_head_bias`` [P] is sharded here, over the vocab like the weight's rows."""
+
+    @staticmethod
+    def _partition(name, module, mesh):
+        bias = getattr(module, "bias", None)
+        if bias is not None and not isinstance(bias, DTensor):
+            sharded = nn.Parameter(distribute_tensor(bias.data, mesh, [Shard(0)]),
+                                   requires_grad=bias.requires_grad)
+            module.register_parameter("bias", sharded)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._partition)
+
+
 def _block_plan(block: nn.Module, tp: int, sequence_parallel: bool) -> dict:
     seq_layout = Shard(1) if sequence_parallel else Replicate()
     plan = _attention_plan(block.attn, tp, sequence_parallel)
@@ -113,11 +188,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool)
     seq_layout = Shard(1) if sequence_parallel else Replicate()
     top_plan: dict = {}
     if model.tok_embeddings is not None:
+        # With tied embeddings this weight is also the output head's (`Transformer.output_weight`).
         top_plan["tok_embeddings"] = RowwiseParallel(
             input_layouts=Replicate(), output_layouts=seq_layout
         )
+        if getattr(model, "pos_embeddings", None) is not None:
+            top_plan["pos_embeddings"] = _ReplicatedPositions(seq_layout)
     if model.output is not None:
-        # ``Transformer.logits`` applies the head with F.linear on ``output.weight``, so only
+        # ``Transformer.logits`` applies the head with F.linear on ``output_weight()``, so only
         # the weight layout matters here; the final norm hands it a DTensor.
         top_plan["norm"] = (
             SequenceParallel(use_local_output=False)
@@ -127,7 +205,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool)
                 use_local_output=False,
             )
         )
-        top_plan["output"] = ColwiseParallel(input_layouts=seq_layout, use_local_output=False)
+        if isinstance(model.output, TiedOutput):
+            # tied: the head's weight is the token embedding, sharded above (same DTensor)
+            top_plan["output"] = _TiedVocabParallelHead()
+        else:
+            top_plan["output"] = ColwiseParallel(input_layouts=seq_layout, use_local_output=False)
     if top_plan:
         parallelize_module(model, tp_mesh, top_plan)
     for block in model.layers.values():
@@ -149,7 +231,7 @@ def vocab_parallel_loss_head(
 
     from densetrain.parallel.loss import vocab_parallel_cross_entropy
 
-    weight = model.output.weight
+    weight = model.output_weight()  # the token embedding when tied: the same Shard(0) DTensor
     mesh = weight.device_mesh
     # Each rank's logits use only its rows of the head: the hidden gradient is a partial sum.
     hidden_BSE = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])

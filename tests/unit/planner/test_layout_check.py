@@ -48,9 +48,8 @@ CASES = [
     ("tp_and_kv_heads", dict(tp=2), dict(dim=96, num_heads=6, num_kv_heads=3, ffn_dim=192), {},
      "num_kv_heads=3"),
     ("tp_divides_ffn", dict(tp=4), dict(ffn_dim=130), {}, "must divide model.ffn_dim=130"),
-    ("tp_model_features", dict(tp=2), dict(tie_embeddings=True), {}, "tie_embeddings=True"),
     ("tp_model_features", dict(tp=2), dict(qk_norm=True), {}, "qk_norm=True"),
-    ("tp_model_features", dict(tp=2), dict(position_embedding="learned"), {}, "learned"),
+    ("tp_model_features", dict(tp=2), dict(embedding_norm=True), {}, "embedding_norm=True"),
     ("tp_model_features", dict(tp=2), dict(embed_dim=32), {}, "embedding projections"),
     ("tp_model_features", dict(tp=2), dict(block_type="parallel"), {}, "pre-norm sequential"),
     ("tp_model_features", dict(tp=2), dict(final_norm=False), {}, "final_norm=False"),
@@ -120,6 +119,20 @@ def test_every_rule_has_a_case():
 ])
 def test_runnable_layouts_pass(par):
     assert reasons(layout(**par)) == []
+
+
+@pytest.mark.parametrize("par", [
+    dict(tp=2, sequence_parallel=False), dict(tp=2, sequence_parallel=True),
+    dict(tp=2, dp_shard=2), dict(tp=4, dp_replicate=2, dp_shard=2),
+])
+def test_tensor_parallel_runs_gpt_architecture(par):
+    """GPT-2/GPT-3: tied embeddings and learned positions under TP (with or without SP and
+    FSDP); pipeline parallel still needs untied embeddings."""
+    gpt = model(num_kv_heads=4, position_embedding="learned", tie_embeddings=True,
+                norm_type="layernorm", norm_bias=True, activation="gelu_tanh")
+    assert reasons(layout(**par), gpt) == []
+    refused = reasons(layout(pp=2, tp=2), gpt)
+    assert len(refused) == 1 and "untied embeddings" in refused[0]
 
 
 def test_degrees_must_multiply_to_the_world():
