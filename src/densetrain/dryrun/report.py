@@ -49,6 +49,9 @@ def format_report(reports: list[RankReport],
                 f"   activations {prediction['activations'] / GIB:.3f}   buffers "
                 f"{prediction['buffers'] / GIB:.3f}   peak {prediction['total'] / GIB:.3f} GiB "
                 f"(traced/predicted peak {r.peak_bytes / prediction['total']:.2f})")
+        if r.save_items:
+            lines.append(f"  save plan {r.save_items:,} items, {r.save_bytes / GIB:.3f} GiB of "
+                         "tensors from this rank (DCP's local plan)")
         for c in r.collectives:
             dtypes = ", ".join(f"{n} {d}" for d, n in sorted(c.dtypes.items()))
             lines.append(f"  {c.kind:<15} over {c.group:<12} {c.calls:5d} calls "

@@ -198,6 +198,10 @@ def test_llama3_405b_table4_layout_last_rank_of_8192():
     _assert_model_states(report, share, padding=(251 - 219) * 16384)
     assert report.microbatches == 32 and report.traced_microbatches == 16
     _assert_receive_buffers(report, 32, 1, 8192, 16384)
+    # DCP's local save plan: the rank's unpadded parameters and two moments (fp32), plus one
+    # scalar step per parameter
+    assert report.save_items > 0
+    assert 12 * share <= report.save_bytes < 12 * share + 8 * 100
     assert report.seconds < 60
 
 
