@@ -10,9 +10,10 @@ live bytes and collectives of the step.
 What is traced and what is not (each report says so):
 - traced: parameter, gradient and optimizer-state bytes of the rank (its tensors' storages), the
   peak of live bytes over the step, and every collective of the step;
-- the step is one micro-batch of the real micro-batch size and sequence length (the rank's
-  batch holds ``microbatches`` of them: the others repeat its forward/backward, and gradient
-  accumulation adds no memory beyond the gradients already counted), taken after the optimizer
+- the step is two micro-batches of the real micro-batch size and sequence length (one if the
+  rank's batch holds one; a pipeline runs its schedule's peak instead): a non-final one, as
+  gradient accumulation runs it, then the final one; the rank's other micro-batches repeat the
+  first's forward/backward. It is taken after the optimizer
   state exists (an update of zero gradients before it), so its peak is that of every later
   step;
 - not traced: ``torch.compile`` (the eager modules run: compiled kernels fuse and so hold less),
@@ -152,7 +153,9 @@ def _step(job: JobConfig, model, pmesh, rank: int) -> RankReport:
     params = list(model.module.parameters())
     autocast = autocast_factory(device, _bf16_if_float8(training.dtype))
     notes = []
-    traced_micro, untraced_buffers = 1, 0
+    # Two micro-batches when the step has them: the first runs as every non-final one does
+    # (gradient accumulation), so what it leaves for the next (gradients) is in the peak.
+    traced_micro, untraced_buffers = min(2, local_batch // micro), 0
     if dims.pp > 1:
         traced_micro, untraced_buffers = _static_pipeline(model, job, micro, autocast, notes)
     tokens = torch.randint(0, model_cfg.vocab_size,

@@ -12,7 +12,8 @@ vocab-parallel [P, E] shard (Shard(0)) is exactly the column-wise head's, so the
 serves both and receives both gradients. Learned absolute positions (``pos_embeddings``) are
 replicated over tp; with sequence parallel each rank adds only its sequence slice of them (the
 gradient is gathered back to the whole table). The model's ``loss_head`` is set to a
-vocab-parallel cross-entropy of each rank's logit slice (``parallel/loss.py``); ``forward``
+vocab-parallel cross-entropy of each rank's logit slice (``parallel/loss.py``), fused with the
+projection and chunked over the tokens when the job sets ``loss_chunk_size``; ``forward``
 without targets returns the gathered logits.
 
 GQA: kv heads are split across tp ranks when tp divides them. With fewer kv heads than tp ranks
@@ -227,9 +228,15 @@ def vocab_parallel_loss_head(
     model: nn.Module, hidden: DTensor, targets_BS: torch.Tensor, *, chunk_size: int | None = None
 ):
     """The model's ``loss_head`` under tensor parallel: vocab-parallel cross-entropy over the
-    local logit slice of each tp rank (``chunk_size`` is not used: logits are only 1/tp wide)."""
+    local logit slice [N, L] of each tp rank (L = P / tp rows of the head).
 
-    from densetrain.parallel.loss import vocab_parallel_cross_entropy
+    With ``chunk_size`` (a positive number of tokens) the local projection and the loss are
+    fused and run ``chunk_size`` tokens at a time (`vocab_parallel_chunked_loss`), so a rank
+    peaks at [chunk_size, L] logits instead of [N, L] (at 8,192 tokens and a 128,256 vocab on
+    tp 8, the unchunked loss holds several [N, L] fp32 buffers, ~0.5 GiB each); None or 0
+    computes the whole slice's logits at once."""
+
+    from densetrain.parallel.loss import vocab_parallel_chunked_loss, vocab_parallel_cross_entropy
 
     weight = model.output_weight()  # the token embedding when tied: the same Shard(0) DTensor
     mesh = weight.device_mesh
@@ -237,22 +244,22 @@ def vocab_parallel_loss_head(
     hidden_BSE = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
     weight_LE = weight.to_local()
     bias_L = model.output.bias.to_local() if model.output.bias is not None else None
-    logits_BSL = F.linear(hidden_BSE, weight_LE, bias_L)
     # The head is Shard(0) over the tp mesh: its first row, from ints alone (no tensor op, so
     # it runs under a dry run's fake tensors too).
     (placement,) = weight.placements
     _, first_row = placement.local_shard_size_and_offset(weight.shape[0], mesh.size(),
                                                          mesh.get_local_rank())
-    offset = (first_row,)
     cfg = model.config
+    common = dict(vocab_offset=first_row, vocab_size=cfg.vocab_size, group=mesh.get_group(),
+                  ignore_index=cfg.ignore_index, z_loss_coef=cfg.z_loss_coef)
+    if chunk_size:
+        return vocab_parallel_chunked_loss(
+            hidden_BSE.reshape(-1, hidden_BSE.shape[-1]), weight_LE, targets_BS.reshape(-1),
+            chunk_size=chunk_size, bias_L=bias_L, **common,
+        )
+    logits_BSL = F.linear(hidden_BSE, weight_LE, bias_L)
     return vocab_parallel_cross_entropy(
-        logits_BSL.reshape(-1, logits_BSL.shape[-1]),
-        targets_BS.reshape(-1),
-        vocab_offset=offset[0],
-        vocab_size=cfg.vocab_size,
-        group=mesh.get_group(),
-        ignore_index=cfg.ignore_index,
-        z_loss_coef=cfg.z_loss_coef,
+        logits_BSL.reshape(-1, logits_BSL.shape[-1]), targets_BS.reshape(-1), **common
     )
 
 

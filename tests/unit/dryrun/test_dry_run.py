@@ -71,12 +71,13 @@ def test_llama3_8b_fsdp_on_8_ranks_holds_an_eighth():
     _assert_model_states(report, total // 8)  # every dimension of Llama 3 8B divides by 8
     collectives = {(c.kind, c.group): c for c in report.collectives}
     assert set(collectives) == {("all_gather", "dp_shard"), ("reduce_scatter", "dp_shard")}
-    # every fp32 gradient is reduce-scattered once; the parameters are gathered for forward
-    # and again for backward (resharded after forward), the root's once
-    assert collectives[("reduce_scatter", "dp_shard")].bytes == 4 * total
+    # two micro-batches: every fp32 gradient is reduce-scattered after each (ZeRO-3 under
+    # gradient accumulation); the parameters are gathered for forward and again for backward
+    # (resharded after forward), the root's once, per micro-batch
+    assert collectives[("reduce_scatter", "dp_shard")].bytes == 2 * 4 * total
     gathered = collectives[("all_gather", "dp_shard")].bytes
-    assert 4 * total < gathered < 2 * 4 * total
-    assert collectives[("all_gather", "dp_shard")].calls == 2 * 32 + 1
+    assert 2 * 4 * total < gathered < 2 * 2 * 4 * total
+    assert collectives[("all_gather", "dp_shard")].calls == 2 * (2 * 32 + 1)
     _assert_planner_within(report, LLAMA3_8B, [], 8, 0.10)
 
 
