@@ -305,6 +305,23 @@ def _unit_seed_on_cpu(grad_loss: torch.Tensor) -> bool:
     return grad_loss.device.type == "cpu" and not _is_fake(grad_loss) and bool(grad_loss == 1)
 
 
+def scaled_head_grads(ctx, grad_loss: torch.Tensor):
+    """The (hidden, weight, bias) gradients a fused loss head saved in forward, times the
+    backward's seed ``grad_loss``; the weight's and bias's in the weight's dtype.
+
+    Scaled in place: the saved gradients are used once, and a [P, E] copy of the output
+    weight's would raise the peak (77 MB for a 50k × 384 fp32 head). A second backward
+    through the graph (retain_graph) fails loudly on their version counters."""
+    grad_hidden_NE, grad_weight_PE, grad_bias_P = ctx.saved_tensors
+    unscaled = _unit_seed_on_cpu(grad_loss)
+
+    def scaled(grad: torch.Tensor) -> torch.Tensor:
+        return grad if unscaled else grad.mul_(grad_loss.to(grad.dtype))
+
+    grad_bias = None if grad_bias_P is None else scaled(grad_bias_P).to(ctx.weight_dtype)
+    return scaled(grad_hidden_NE), scaled(grad_weight_PE).to(ctx.weight_dtype), grad_bias
+
+
 class _ChunkedLMLoss(torch.autograd.Function):
     """Fused projection + loss whose forward also produces the input gradients."""
 
@@ -472,18 +489,5 @@ class _ChunkedLMLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_ce, _grad_z, _grad_num):
-        grad_hidden_NE, grad_weight_PE, grad_bias_P = ctx.saved_tensors
-        # Scaled in place: the saved gradients are used once, and a [P, E] copy of the output
-        # weight's would raise the peak (77 MB for a 50k × 384 fp32 head). A second backward
-        # through this graph (retain_graph) fails loudly on their version counters.
-        unscaled = _unit_seed_on_cpu(grad_loss)
-
-        def scaled(grad: torch.Tensor) -> torch.Tensor:
-            return grad if unscaled else grad.mul_(grad_loss.to(grad.dtype))
-
-        grad_hidden = scaled(grad_hidden_NE)
-        grad_weight = scaled(grad_weight_PE).to(ctx.weight_dtype)
-        grad_bias = None
-        if grad_bias_P is not None:
-            grad_bias = scaled(grad_bias_P).to(ctx.weight_dtype)
+        grad_hidden, grad_weight, grad_bias = scaled_head_grads(ctx, grad_loss)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None

@@ -217,20 +217,9 @@ class _VocabParallelChunkedLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_ce, _grad_z, _grad_num):
-        from densetrain.models.loss import _unit_seed_on_cpu
+        from densetrain.models.loss import scaled_head_grads
 
-        grad_hidden_NE, grad_weight_LE, grad_bias_L = ctx.saved_tensors
-        # scaled in place, as in `_ChunkedLMLoss` (used once; no copy of the weight gradient)
-        unscaled = _unit_seed_on_cpu(grad_loss)
-
-        def scaled(grad: torch.Tensor) -> torch.Tensor:
-            return grad if unscaled else grad.mul_(grad_loss.to(grad.dtype))
-
-        grad_hidden = scaled(grad_hidden_NE)
-        grad_weight = scaled(grad_weight_LE).to(ctx.weight_dtype)
-        grad_bias = None
-        if grad_bias_L is not None:
-            grad_bias = scaled(grad_bias_L).to(ctx.weight_dtype)
+        grad_hidden, grad_weight, grad_bias = scaled_head_grads(ctx, grad_loss)
         return (grad_hidden, grad_weight, grad_bias) + (None,) * 8
 
 
