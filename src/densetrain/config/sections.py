@@ -133,14 +133,20 @@ class EvalConfig:
 
     Attributes:
         interval: evaluate every this many steps; 0 turns evaluation off.
-        num_batches: validation batches (of ``training.global_batch_size`` sequences, the same
-            on every layout) per evaluation.
+        num_windows: validation windows (``data.seq_len + 1`` tokens each) per evaluation, at
+            fixed, evenly spaced positions of the validation split's packed sequences: the same
+            tokens whatever ``data.seed``, the batch size or the number of ranks, so validation
+            losses of such runs compare (each logs the set's identity as ``val_set``). 0 = the
+            whole split; more than the split holds = the whole split.
+        num_batches: no longer read (validation takes ``num_windows``, a count independent of
+            the batch size); kept so that older configs load.
         sample_prompt: prompt of the greedy sample generated after the last step (and every
             ``logging.sample_interval`` steps); empty = none.
         sample_tokens: new tokens in that sample.
     """
 
     interval: int = 50
+    num_windows: int = 256
     num_batches: int = 4
     sample_prompt: str = "def "
     sample_tokens: int = 48
@@ -148,6 +154,7 @@ class EvalConfig:
     def validate(self) -> None:
         """Raise ``ValueError`` naming ``eval.<field>`` when a value is out of range."""
         _int_at_least("eval.interval", self.interval, 0)
+        _int_at_least("eval.num_windows", self.num_windows, 0)
         _int_at_least("eval.num_batches", self.num_batches, 1)
         _int_at_least("eval.sample_tokens", self.sample_tokens, 0)
 

@@ -27,7 +27,7 @@ from densetrain.train.loggers import (
     open_tensorboard,
     terminal_output,
 )
-from densetrain.train.metrics import MetricsWriter, mfu, mfu_warning, read_metrics
+from densetrain.train.metrics import MetricsWriter, mfu_warning, read_metrics
 from densetrain.train.state import Progress, RunParts, StepReport
 
 try:
@@ -140,6 +140,8 @@ class MetricsLogger(Callback):
         self._val_loss = record.get("val_loss", self._val_loss)
         if self.writer is None:
             return
+        if parts.peak.step == report.step:
+            self._say(f"MFU {parts.peak.describe()}: the earlier probe read low")
         self.writer.write(record)
         warning = mfu_warning(record["mfu"], parts.peak_flops, parts.peak_source)
         if warning and not self._mfu_warning:
@@ -180,8 +182,8 @@ class MetricsLogger(Callback):
             "lr": report.lr,
             "tokens": report.tokens,
             "tokens_per_s": tokens_per_s,
-            "mfu": mfu(tokens_per_s, parts.sizes.flops_per_token, parts.peak_flops,
-                       parts.world_size),
+            "mfu": parts.peak.mfu(tokens_per_s, parts.sizes.flops_per_token, parts.world_size,
+                                  step=report.step),
             "grad_norm": float(report.grad_norm),
             "skipped_steps": self._skipped,
             "elapsed_s": report.process_train_seconds,

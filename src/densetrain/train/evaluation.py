@@ -1,17 +1,34 @@
 """Validation loss and the sample continuation, through the `LaidOutModel` interface (the same
-code under every layout: pipeline, tensor and context parallel included)."""
+code under every layout: pipeline, tensor and context parallel included).
+
+The validation loss is taken on a fixed set of windows of the validation split (`ValidationSet`):
+the split's packed sequences (``seq_len + 1`` tokens at multiples of ``seq_len``, each source's
+in turn, as one list) or ``eval.num_windows`` of them at evenly spaced positions of that list. The
+set depends on the dataset and ``seq_len`` alone, never on ``data.seed``, the batch size or the
+number of ranks, so runs that differ in those evaluate the very same tokens; its identity
+(``val_set``: windows, tokens per window and a hash of the data and the positions) is logged with
+every validation loss and in the summary so that two runs can be checked to be comparable.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from densetrain.data.stream import Batch, BatchStream
+from densetrain.data.stream import _segment_info as segment_info
 from densetrain.train.state import RunParts
+
+IGNORE_INDEX = -100
+"""Target of the rows that pad a rank's last validation batch (no loss, no token count)."""
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
@@ -23,33 +40,143 @@ def mean_over_ranks(value: torch.Tensor) -> float:
     return float(value)
 
 
+def sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """``value`` (float64) summed over every rank (a collective; itself on one process)."""
+    value = value.detach().to(torch.float64).clone()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+@dataclass(frozen=True)
+class ValidationSet:
+    """The windows validation is taken on: ``(source, token offset)`` of each, in order."""
+
+    windows: list[tuple[int, int]]
+    seq_len: int
+    key: str
+    """Hex SHA-256 (16 digits) of ``seq_len``, each source's content key and sequence count, and
+    the chosen positions: equal keys mean the same tokens."""
+
+    def identity(self) -> dict[str, int | str]:
+        """``{"val_windows", "val_window_tokens", "val_set"}``: what a run records."""
+        return {"val_windows": len(self.windows), "val_window_tokens": self.seq_len,
+                "val_set": self.key}
+
+    def rank_slice(self, dp_rank: int, dp_size: int) -> list[tuple[int, int]]:
+        """The contiguous share of the windows of data-parallel rank ``dp_rank`` (disjoint
+        shares that cover the set; sizes differ by at most one)."""
+        n = len(self.windows)
+        return self.windows[dp_rank * n // dp_size:(dp_rank + 1) * n // dp_size]
+
+
+def validation_set(stream: BatchStream, num_windows: int) -> ValidationSet:
+    """The fixed validation windows of ``stream``'s split: all of its packed sequences when
+    ``num_windows`` is 0 or at least their number, else ``num_windows`` of them at positions
+    ``floor((j + 1/2) * total / num_windows)`` of the list of every source's sequences in turn.
+    Independent of the stream's seed, its rank and any batch size."""
+    if num_windows < 0:
+        raise ValueError(f"eval.num_windows must be >= 0 (0 = the whole split), got {num_windows}")
+    counts = [int(n) for n in stream.num_sequences]
+    total = sum(counts)
+    if num_windows == 0 or num_windows >= total:
+        chosen = np.arange(total, dtype=np.int64)
+    else:
+        chosen = ((2 * np.arange(num_windows, dtype=np.int64) + 1) * total) // (2 * num_windows)
+    starts = np.cumsum([0, *counts])
+    sources = np.searchsorted(starts, chosen, side="right") - 1
+    offsets = (chosen - starts[sources]) * stream.seq_len
+    digest = hashlib.sha256()
+    digest.update(f"seq_len={stream.seq_len};".encode())
+    for key, count in zip(stream.content_keys, counts, strict=True):
+        digest.update(f"{key}:{count};".encode())
+    digest.update(chosen.tobytes())
+    windows = list(zip(sources.tolist(), offsets.tolist(), strict=True))
+    return ValidationSet(windows=windows, seq_len=stream.seq_len, key=digest.hexdigest()[:16])
+
+
+def read_windows(stream: BatchStream, windows: list[tuple[int, int]], rows: int) -> Batch:
+    """A batch of ``rows`` rows: the ``windows`` (``seq_len + 1`` tokens each) then rows of
+    the first window (or zeros) whose targets are all `IGNORE_INDEX`."""
+    S = stream.seq_len
+    tokens = np.zeros((rows, S + 1), dtype=np.int64)
+    doc_ids = np.zeros((rows, S), dtype=np.int64) if stream.document_masking else None
+    positions = np.zeros((rows, S), dtype=np.int64) if stream.document_masking else None
+    for row, (source, offset) in enumerate(windows):
+        store = stream.stores[source]
+        tokens[row] = store.read(offset, S + 1)
+        if tokens[row].max() >= store.vocab_size:
+            store.check_ids(offset, tokens[row])
+        if doc_ids is not None:
+            doc_ids[row], positions[row] = segment_info(store.document_ids(offset, S))
+    if positions is not None:
+        positions[len(windows):] = np.arange(S)
+    data = torch.from_numpy(tokens)
+    targets = data[:, 1:].clone()
+    targets[len(windows):] = IGNORE_INDEX
+    return Batch(inputs=data[:, :-1].contiguous(), targets=targets.contiguous(),
+                 document_ids=None if doc_ids is None else torch.from_numpy(doc_ids),
+                 positions=None if positions is None else torch.from_numpy(positions))
+
+
 class Evaluator:
     """Validation loss every ``interval`` steps and after the last step (``interval`` 0: never),
-    over ``num_batches`` fixed validation batches."""
+    over the fixed `ValidationSet` of ``num_windows`` windows (0: the whole validation split)."""
 
-    def __init__(self, *, interval: int, num_batches: int) -> None:
+    def __init__(self, *, interval: int, num_windows: int) -> None:
         self.interval = interval
-        self.num_batches = num_batches
+        self.num_windows = num_windows
+        self._set: ValidationSet | None = None
 
     def due(self, step: int, total_steps: int) -> bool:
         """True on the cadence and at the last step."""
         return self.interval > 0 and (step % self.interval == 0 or step >= total_steps)
 
+    def validation_set(self, parts: RunParts) -> ValidationSet | None:
+        """The run's validation windows (None without validation data)."""
+        if parts.data.val is None:
+            return None
+        if self._set is None:
+            self._set = validation_set(parts.data.val, self.num_windows)
+        return self._set
+
+    def summary(self) -> dict[str, int | str]:
+        """The identity of the validation set evaluated (empty when none was)."""
+        return self._set.identity() if self._set is not None else {}
+
     @torch.no_grad()
-    def evaluate(self, parts: RunParts) -> dict[str, float]:
-        """``{"val_loss", "val_ppl"}`` averaged over the ranks (empty without validation data)."""
-        if parts.data.val is None or self.interval <= 0:
+    def evaluate(self, parts: RunParts) -> dict[str, float | int | str]:
+        """``{"val_loss", "val_ppl", "val_tokens"}`` and the set's identity (empty without
+        validation data): the sum of every window's token losses over their token count, each
+        data-parallel rank taking its share of the windows (a collective).
+
+        Every rank runs the same number of batches of ``global_batch_size // dp_size`` rows (a
+        shape valid on every layout); the last rows of a rank's last batch may be padding whose
+        targets are ignored."""
+        val_set = self.validation_set(parts)
+        if val_set is None or self.interval <= 0:
             return {}
-        # Batches of the training global batch size: valid on every layout, so every layout
-        # evaluates the same validation sequences.
-        rows = parts.training.global_batch_size
-        total = torch.zeros((), device=parts.device)
-        for batch in parts.data.val.iter_eval(self.num_batches, rows):
+        stream = parts.data.val
+        dp_size = parts.dp_size
+        rows = parts.training.global_batch_size // dp_size
+        mine = val_set.rank_slice(parts.pmesh.dp_rank, dp_size)
+        batches = math.ceil(math.ceil(len(val_set.windows) / dp_size) / rows)
+        total = torch.zeros((), dtype=torch.float64, device=parts.device)
+        tokens = torch.zeros((), dtype=torch.float64, device=parts.device)
+        for i in range(batches):
+            batch = read_windows(stream, mine[i * rows:(i + 1) * rows], rows)
+            count = int((batch.targets != IGNORE_INDEX).sum())
             prepared = parts.model.prepare_batch(batch, parts.device)
-            total += parts.model.eval_loss(prepared, autocast=parts.autocast,
-                                           micro_batch_size=parts.training.micro_batch_size)
-        val_loss = mean_over_ranks(total / self.num_batches)
-        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+            loss = parts.model.eval_loss(prepared, autocast=parts.autocast,
+                                         micro_batch_size=parts.training.micro_batch_size)
+            total += loss.double() * count
+            tokens += count
+        # Ranks of one data-parallel group hold the same windows: the sums over all ranks count
+        # each window equally often, so their ratio is the mean over the set.
+        sums = sum_over_ranks(torch.stack([total, tokens]))
+        val_loss = float(sums[0] / sums[1])
+        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)),
+                "val_tokens": len(val_set.windows) * val_set.seq_len, **val_set.identity()}
 
 
 @torch.no_grad()

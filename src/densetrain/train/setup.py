@@ -26,7 +26,7 @@ from densetrain.train.host_malloc import tune_host_allocator
 from densetrain.train.metrics import (
     cpu_bf16_warning,
     float8_emulation_warning,
-    run_peak_flops,
+    run_peak,
 )
 from densetrain.train.state import ModelSizes, Progress, RunParts
 
@@ -179,12 +179,11 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
     optimizer = _build_optimizer(model, pmesh, job)
     run_dir = Path(job.logging.run_dir)
     counts = param_counts(model_cfg)
-    peak, peak_source = run_peak_flops(device, _bf16_if_float8(training.dtype),
-                                       job.logging.peak_tflops)
+    peak = run_peak(device, _bf16_if_float8(training.dtype), job.logging.peak_tflops)
     config_toml = job_config_to_toml(job)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        _announce(config_toml, counts, world_size, device, peak, peak_source)
+        _announce(config_toml, counts, world_size, device, peak.flops, peak.source)
         print(allocator_note, file=sys.stderr, flush=True)
         if threads_note is not None:
             print(threads_note, file=sys.stderr, flush=True)
@@ -204,6 +203,6 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
         config_toml=config_toml,
         sizes=ModelSizes(params=counts.total, non_embedding_params=counts.non_embedding,
                          flops_per_token=flops_per_token_palm(model_cfg, job.data.seq_len)),
-        peak_flops=peak, peak_source=peak_source,
+        peak=peak,
     )
     return parts, TrainerCounters()

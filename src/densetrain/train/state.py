@@ -29,6 +29,7 @@ from densetrain.optim.schedules import BatchSizeSchedule, LRScheduler
 from densetrain.parallel.mesh import ParallelMesh
 from densetrain.parallel.model import LaidOutModel
 from densetrain.train.fault_record import FaultRecord
+from densetrain.train.metrics import RunPeak
 
 Progress = TrainerCounters
 """The checkpointed progress of a run: ``step`` (optimizer steps taken) and ``tokens``."""
@@ -65,10 +66,20 @@ class RunParts:
     checkpoint_dir: Path
     config_toml: str
     sizes: ModelSizes
-    peak_flops: float
-    peak_source: str
+    peak: RunPeak
+    """The peak FLOP/s of one device that MFU divides by (re-probed when it reads low)."""
     fault_record: FaultRecord = field(default_factory=FaultRecord)
     """Skipped steps, rollbacks and skipped data ranges (checkpointed; train/faults.py)."""
+
+    @property
+    def peak_flops(self) -> float:
+        """The peak FLOP/s of one device that MFU divides by now."""
+        return self.peak.flops
+
+    @property
+    def peak_source(self) -> str:
+        """Where `peak_flops` came from (and at which step it was probed)."""
+        return self.peak.source
 
     @property
     def is_main(self) -> bool:

@@ -210,11 +210,12 @@ def summarize(parts: RunParts, progress: Progress, loop: RunLoop,
               callbacks: Sequence[Callback]) -> dict[str, Any]:
     """The run's summary (also written to ``summary.json``): throughput and MFU over this
     process's own tokens and time."""
-    from densetrain.train.metrics import mfu, mfu_warning
+    from densetrain.train.metrics import mfu_warning
 
     seconds = loop.process_train_seconds
     tokens_per_s = loop.process_tokens / seconds if seconds else 0.0
-    run_mfu = mfu(tokens_per_s, parts.sizes.flops_per_token, parts.peak_flops, parts.world_size)
+    run_mfu = parts.peak.mfu(tokens_per_s, parts.sizes.flops_per_token, parts.world_size,
+                             step=progress.step)
     summary: dict[str, Any] = {
         "final_loss": float("nan"),
         "final_val_loss": loop.last_val_loss,
@@ -229,6 +230,7 @@ def summarize(parts: RunParts, progress: Progress, loop: RunLoop,
         "mfu": run_mfu,
         "peak_flops_per_device": parts.peak_flops,
         "peak_flops_source": parts.peak_source,
+        "peak": parts.peak.describe(),
         "world_size": parts.world_size,
         "train_seconds": seconds,
         "run_dir": str(parts.run_dir),
@@ -239,6 +241,7 @@ def summarize(parts: RunParts, progress: Progress, loop: RunLoop,
     warning = mfu_warning(run_mfu, parts.peak_flops, parts.peak_source)
     if warning:
         summary["mfu_warning"] = warning
+    summary.update(loop.evaluator.summary())
     for callback in callbacks:
         summary.update(callback.summary())
     return summary
@@ -330,7 +333,7 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
                                timeout_s=job.parallel.collective_timeout_s) as preemption:
             loop = RunLoop(parts, progress,
                            Evaluator(interval=job.eval.interval,
-                                     num_batches=job.eval.num_batches),
+                                     num_windows=job.eval.num_windows),
                            all_callbacks,
                            FaultGuard(job.faults, replica_check=build_replica_check(
                                job.faults, job.parallel, parts.pmesh)),
