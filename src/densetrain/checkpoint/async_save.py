@@ -6,7 +6,11 @@ own thread, and a second thread of ours then seals the checkpoint exactly as a s
 does (config, manifest, rename: `saving.seal_checkpoint`), so a background save is visible only
 when complete and verified by the same manifest. At most one save is in flight: the next
 `save` first waits for the previous one. `wait()` blocks until the save in flight is sealed and
-re-raises its failure; the trainer waits after the final save and before exiting on a signal.
+re-raises its failure; the trainer waits after the final save and before exiting on a signal,
+and collects a save that has ended (`settled`) after every step, so a failed background save
+is reported at the step after it ended, not at the next save. A failed save leaves nothing
+named ``step-N``: its ``.tmp`` directory is removed and the earlier checkpoints stay as they
+were.
 
 The background collectives (DCP's plan/finish and the seal) run on a dedicated gloo group, never
 on the training group, so they cannot interleave with the training collectives. With
@@ -121,6 +125,17 @@ class AsyncCheckpointer:
     def in_flight(self) -> bool:
         """True while a background save has not been sealed yet."""
         return self._pending is not None and not self._pending.done()
+
+    @property
+    def has_pending(self) -> bool:
+        """True when a background save was started and `wait` has not collected it yet."""
+        return self._pending is not None
+
+    @property
+    def settled(self) -> bool:
+        """True when a background save was started and has ended, sealed or failed, without
+        `wait` having collected it yet (never blocks): `wait` then returns at once."""
+        return self._pending is not None and self._pending.done()
 
     def wait(self) -> Path | None:
         """Block until the save in flight is sealed; return the newest checkpoint written (or

@@ -103,6 +103,10 @@ class CheckpointConfig:
             logged in ``<run_dir>/run_history.jsonl``.
         preemption_grace_s: after SIGTERM/SIGINT the run saves a checkpoint and exits; past
             this many seconds it exits anyway (set it below the scheduler's kill delay).
+        on_save_error: a save that fails (a full disk, an unwritable directory) ``stop``s the
+            run with one message naming the step and the directory, or ``continue``s it with
+            a warning, the next save being tried as usual. Either way the failed save leaves no
+            ``step-N`` directory and the earlier checkpoints are untouched.
     """
 
     enabled: bool = True
@@ -114,11 +118,13 @@ class CheckpointConfig:
     async_save: bool = True
     allow_config_change: bool = False
     preemption_grace_s: float = 90.0
+    on_save_error: str = "stop"
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming ``checkpoint.<field>`` when a value is out of range."""
         _int_at_least("checkpoint.interval", self.interval, 1)
         _int_at_least("checkpoint.keep_last", self.keep_last, 0)
+        _choice("checkpoint.on_save_error", self.on_save_error, SAVE_ERROR_ACTIONS)
         if not (isinstance(self.preemption_grace_s, (int, float))
                 and math.isfinite(self.preemption_grace_s) and self.preemption_grace_s > 0):
             raise ValueError(
@@ -250,6 +256,7 @@ def _int_at_least(name: str, value: int, minimum: int) -> None:
 
 
 FAULT_ACTIONS = ("stop", "rollback")
+SAVE_ERROR_ACTIONS = ("stop", "continue")
 
 
 @dataclass(kw_only=True)
@@ -275,6 +282,10 @@ class FaultsConfig:
         spike_warmup_steps: no detection before this step (the early loss falls too fast).
         spike_min_history: no detection while the window holds fewer losses than this.
         spike_action: ``rollback`` to a checkpoint and skip batches, or ``stop``.
+        divergence_margin: before ``spike_warmup_steps``, a training loss above the run's
+            initial loss (the first step this process trains) by more than this many nats, or
+            a non-finite one, is handled as a spike (``spike_action``; without a checkpoint to
+            roll back to, the run stops naming the step and both losses); 0 turns it off.
         rollback_min_steps: roll back to the newest complete checkpoint at least this many
             steps before the spike.
         rollback_skip_batches: batches skipped after the checkpoint rolled back to, counted
@@ -317,6 +328,7 @@ class FaultsConfig:
     spike_warmup_steps: int = 100
     spike_min_history: int = 20
     spike_action: str = "rollback"
+    divergence_margin: float = 5.0
     rollback_min_steps: int = 100
     rollback_skip_batches: int = 200
     max_rollbacks: int = 3
@@ -356,6 +368,11 @@ class FaultsConfig:
         _choice("faults.nan_cap_action", self.nan_cap_action, FAULT_ACTIONS)
         _choice("faults.spike_action", self.spike_action, FAULT_ACTIONS)
         _choice("faults.sdc_action", self.sdc_action, FAULT_ACTIONS)
+        margin = self.divergence_margin
+        if not (isinstance(margin, (int, float)) and not isinstance(margin, bool)
+                and math.isfinite(margin) and margin >= 0):
+            raise ValueError("faults.divergence_margin must be a finite number of nats >= 0 "
+                             f"(0 turns the check off), got {margin!r}")
         tolerance = self.sdc_replay_tolerance
         if not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance)
                 and tolerance >= 0):

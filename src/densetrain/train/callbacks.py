@@ -265,42 +265,92 @@ class Checkpointer(Callback):
     [checkpoint call site] Saving goes through `densetrain.checkpoint.AsyncCheckpointer`
     (background writes when ``async_save``; at most one in flight); the final save and the save
     on a preemption signal (`on_preempt`) are waited for; `close` (called by `train` also after
-    an exception) waits for a save still in flight.
+    an exception) waits for a save still in flight. A background save that has ended is
+    collected after every step (all ranks agree first), so its failure is reported at the next
+    step. A failed save (a full disk, say) then ends the run with one `CheckpointError` line
+    (``on_save_error="stop"``) or prints one warning line and trains on, the next save being
+    tried as usual (``"continue"``).
     """
 
     def __init__(self, *, interval: int, keep_last: int, save_final: bool,
-                 async_save: bool = False, timeout_s: float = 600.0) -> None:
+                 async_save: bool = False, timeout_s: float = 600.0,
+                 on_save_error: str = "stop") -> None:
         self.interval = interval
         self.keep_last = keep_last
         self.save_final = save_final
         self.async_save = async_save
         self.timeout_s = timeout_s
+        self.on_save_error = on_save_error
+        self.failed_saves: list[str] = []
+        """The message of every save that failed and was passed over (``"continue"``)."""
         self.writer: Any = None
+        self._device: Any = None
+        self._is_main = True
 
     def on_train_start(self, parts: RunParts, progress: Progress) -> None:
         """Open the writer for the run's checkpoint directory."""
         from densetrain.checkpoint.async_save import AsyncCheckpointer
 
+        self._device, self._is_main = parts.device, parts.is_main
         self.writer = AsyncCheckpointer(
             parts.checkpoint_dir, config_toml=parts.config_toml, keep_last=self.keep_last,
             async_save=self.async_save, timeout_s=self.timeout_s,
         )
 
+    def _guarded(self, action: Any) -> None:
+        """Run a writer ``action``; a failed save stops the run or is reported and passed over,
+        as ``on_save_error`` says (a state holding NaN/inf is never passed over)."""
+        from densetrain.checkpoint import CheckpointError, NonFiniteStateError
+
+        try:
+            action()
+        except NonFiniteStateError:
+            raise
+        except CheckpointError as err:
+            if self.on_save_error == "stop":
+                raise CheckpointError(
+                    f"{err}; checkpoint.on_save_error='stop' ends the run (resume restarts from "
+                    "the newest complete checkpoint)") from err
+            self.failed_saves.append(str(err))
+            if self._is_main:
+                print(f"warning: {err}; checkpoint.on_save_error='continue': training goes on "
+                      "and the next save is tried as usual", file=sys.stderr, flush=True)
+
     def _save(self, parts: RunParts, progress: Progress, *, wait: bool = False) -> None:
         from densetrain.train.faults import check_state_finite
 
+        self._guarded(self.writer.wait)  # the previous save's failure, before this save
         state = parts.state_tree(progress)
         check_state_finite(state, progress.step)  # model, optimizer, anything with tensors
-        self.writer.save(progress.step, state)
+        self._guarded(lambda: self.writer.save(progress.step, state))
         if wait:
-            self.writer.wait()
+            self._guarded(self.writer.wait)
+
+    def _collect_settled(self) -> None:
+        """Collect a background save that has ended on every rank (its failure is raised or
+        reported now); a save still being written is left alone."""
+        from densetrain.checkpoint import collective
+
+        if self.writer is None or not self.writer.has_pending:
+            return
+        settled = self.writer.settled
+        if collective.dist_on():  # every rank collects at the same step
+            import torch
+            import torch.distributed as dist
+
+            flag = torch.tensor([1 if settled else 0], dtype=torch.int32, device=self._device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            settled = bool(flag.item())
+        if settled:
+            self._guarded(self.writer.wait)
 
     def on_rollback(self, parts: RunParts, progress: Progress) -> None:
         """The checkpoints after the restored step were deleted; forget the newest one."""
         self.last_checkpoint = ""
 
     def on_step_end(self, parts: RunParts, progress: Progress, report: StepReport) -> None:
-        """Save on the cadence."""
+        """Report a background save that ended; save on the cadence."""
+        self._collect_settled()
         if progress.step % self.interval == 0:
             self._save(parts, progress)
 
@@ -309,7 +359,7 @@ class Checkpointer(Callback):
         if self.save_final:
             self._save(parts, progress, wait=True)
         else:
-            self.writer.wait()
+            self._guarded(self.writer.wait)
 
     def on_preempt(self, parts: RunParts, progress: Progress) -> None:
         """A stop signal arrived: save this step and wait until it is complete."""
@@ -323,7 +373,7 @@ class Checkpointer(Callback):
     def flush(self) -> None:
         """Wait until a save still being written is complete."""
         if self.writer is not None:
-            self.writer.wait()
+            self._guarded(self.writer.wait)
 
     def close(self) -> None:
         """Wait for a save still in flight (also after an exception)."""

@@ -7,12 +7,15 @@ checkpoint at least ``faults.rollback_min_steps`` before the spike is loaded and
 ``faults.rollback_skip_batches`` batches of the deterministic data order are skipped. The
 skipped ranges live in `FaultRecord` (an entry of the checkpointed state tree) and in
 ``<run_dir>/faults.jsonl``, so a later resume skips the same batches. Caps end the run with
-`RunFaultError`. `check_state_finite` refuses to save a state tree holding NaN/inf anywhere
-(model, optimizer, anything with tensors).
+`RunFaultError`. Before the spike detector arms (``faults.spike_warmup_steps``), a loss more
+than ``faults.divergence_margin`` nats above the initial loss, or a non-finite one, is handled
+as a spike: the early divergence of a learning rate far too high. `check_state_finite` refuses
+to save a state tree holding NaN/inf anywhere (model, optimizer, anything with tensors).
 """
 
 from __future__ import annotations
 
+import math
 import shutil
 import sys
 from collections.abc import Callable, Mapping
@@ -147,6 +150,8 @@ class FaultGuard:
             min_deviation=config.spike_min_deviation, warmup_steps=config.spike_warmup_steps,
             min_history=config.spike_min_history,
         ) if config.spike_detection else None
+        self.initial_loss: float | None = None
+        """The loss of the first step this process trained (the divergence check's origin)."""
 
     def start(self, parts: RunParts) -> None:
         """After resume: merge the history and the configured ranges into the record and give
@@ -167,9 +172,14 @@ class FaultGuard:
         if report.skipped:
             return self._after_skip(parts, progress)
         self.consecutive_skips = 0
+        if self.detector is None and not self._divergence_watched(report.step):
+            return False
+        loss = mean_over_ranks(report.loss)
+        if self._divergence_watched(report.step) and self._diverged(parts, progress, loss):
+            return True
         if self.detector is None:
             return False
-        spike = self.detector.observe(report.step, mean_over_ranks(report.loss))
+        spike = self.detector.observe(report.step, loss)
         if spike is None:
             return False
         reason = (f"loss spike at step {spike.step}: {spike.loss:.4f} against a median of "
@@ -180,6 +190,40 @@ class FaultGuard:
         self.rollback(parts, progress, spike_step=spike.step,
                       at_most=spike.step - self.config.rollback_min_steps, reason=reason,
                       spike=spike)
+        return True
+
+    def _divergence_watched(self, step: int) -> bool:
+        return self.config.divergence_margin > 0 and step <= self.config.spike_warmup_steps
+
+    def _diverged(self, parts: RunParts, progress: Progress, loss: float) -> bool:
+        """Before the detector arms: a loss more than ``divergence_margin`` above the initial
+        one (or non-finite) is handled as a spike; True when the run was rolled back."""
+        cfg, step = self.config, progress.step
+        if self.initial_loss is None and math.isfinite(loss):
+            self.initial_loss = loss
+            return False
+        initial = self.initial_loss
+        if math.isfinite(loss) and (initial is None or loss - initial <= cfg.divergence_margin):
+            return False
+        above = (f"{loss - initial:.2f} nats above the initial loss {initial:.4f}"
+                 if initial is not None and math.isfinite(loss) else
+                 f"the initial loss was {initial:.4f}" if initial is not None else
+                 "no finite loss yet")
+        reason = (f"training diverged at step {step}: loss {loss:.4f}, {above} "
+                  f"(faults.divergence_margin={cfg.divergence_margin:g}, checked until "
+                  f"faults.spike_warmup_steps={cfg.spike_warmup_steps})")
+        advice = "lower optim.lr or lengthen schedule.warmup_steps"
+        if cfg.spike_action == "stop":
+            raise RunFaultError(f"{reason}; faults.spike_action='stop' ends the run: {advice}")
+        at_most = step - cfg.rollback_min_steps
+        self.settle_checkpoints()
+        if rollback_target(parts.checkpoint_dir, at_most) is None:
+            missing = (f"no complete checkpoint of step <= {at_most} in {parts.checkpoint_dir} "
+                       "to roll back to" if at_most > 0 else "too early for a checkpoint "
+                       f"faults.rollback_min_steps={cfg.rollback_min_steps} steps before it")
+            raise RunFaultError(f"{reason}; {missing}, so the run stops: {advice}")
+        self.rollback(parts, progress, spike_step=step, at_most=at_most,
+                      reason=f"{reason}; {advice}", spike=None)
         return True
 
     def replay_due(self, step: int) -> bool:

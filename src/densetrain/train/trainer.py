@@ -58,7 +58,8 @@ def default_callbacks(job: JobConfig) -> list[Callback]:
                                       keep_last=job.checkpoint.keep_last,
                                       save_final=job.checkpoint.save_final,
                                       async_save=job.checkpoint.async_save,
-                                      timeout_s=job.parallel.collective_timeout_s))
+                                      timeout_s=job.parallel.collective_timeout_s,
+                                      on_save_error=job.checkpoint.on_save_error))
     if job.logging.plot:
         callbacks.append(LossPlot())
     return callbacks
