@@ -249,10 +249,6 @@ def run_many(rank: int, world: int, layouts: list[dict]) -> list[dict]:
     return results
 
 
-def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return cross_entropy_loss(logits, targets).loss
-
-
 def _meta_model(model_cfg) -> Transformer:
     with torch.device("meta"):
         return Transformer(model_cfg)
@@ -270,7 +266,7 @@ def run_pipeline_layout(rank: int, world: int, layout: dict, steps: int = STEPS)
     require_runnable(cfg, model_cfg, dims, micro_batch_size=local // cfg.num_microbatches)
     pmesh = dims.build_mesh("cpu")
     pipe = build_pipeline(
-        lambda: _meta_model(model_cfg), pmesh, cfg, _lm_loss,
+        lambda: _meta_model(model_cfg), pmesh, cfg,
         num_layers=model_cfg.num_layers, init_seed=SEED, device=torch.device("cpu"),
     )
     params = [p for m in pipe.modules for p in m.parameters()]

@@ -249,16 +249,20 @@ def _static_pipeline(model, job: JobConfig, micro: int, autocast,
             inputs = torch.zeros((micro, seq), dtype=torch.long)
         else:
             inputs = torch.zeros((micro, seq, dim), dtype=dtype)
+        first, last = stage_id == 0, stage_id == pipeline.num_stages - 1
+        # the last stage returns its loss (`Pipeline.step` hands it the targets)
+        kwargs = {"targets_BS": torch.zeros((micro, seq), dtype=torch.long)} if last else {}
         with torch.no_grad(), autocast():
-            outputs = module(inputs)
+            outputs = module(inputs, **kwargs)
         for sub in module.modules():  # as torch's own shape inference leaves FSDP
             if isinstance(sub, FSDPModule):
                 sub.reshard()
         # as in training: the received activations and the stage's output carry gradients
         if inputs.is_floating_point():
             inputs.requires_grad_(True)
-        first, last = stage_id == 0, stage_id == pipeline.num_stages - 1
         buffer_bytes.append((0 if first else inputs.nbytes) + (0 if last else outputs.nbytes))
+        if last:
+            return inputs, tuple(t.detach() for t in outputs)
         return inputs, outputs.detach().requires_grad_(True)
 
     schedule = make_schedule(pipeline.modules, pipeline.stage_ids, pipeline.num_stages, pmesh,

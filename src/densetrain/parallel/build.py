@@ -76,7 +76,7 @@ def build_model(
         return _build_pipelined(model_cfg, parallel_cfg, pmesh, device=device, seed=seed,
                                 compile=compile, local_batch_size=local_batch_size,
                                 micro_batch_size=micro_batch_size, float8_recipe=float8_recipe,
-                                materialize=materialize)
+                                loss_chunk_size=chunk, materialize=materialize)
     with torch.device("meta"):
         module = Transformer(model_cfg)
     if float8_recipe:
@@ -92,11 +92,17 @@ def build_model(
 def _build_pipelined(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, pmesh: ParallelMesh,
                      *, device: torch.device, seed: int, compile: bool,
                      local_batch_size: int | None, micro_batch_size: int | None,
-                     float8_recipe: str,
+                     float8_recipe: str, loss_chunk_size: int | None,
                      materialize: Callable[[], AbstractContextManager]) -> LaidOutModel:
-    """This rank's stages (parallelized, initialised), their schedule, one `PipelinedModel`."""
+    """This rank's stages (parallelized, initialised), their schedule, one `PipelinedModel`.
+
+    The last stage computes its loss in its own forward (the model's ``loss_head``: under
+    tensor parallel the vocab-parallel loss over the rank's slice of the head, chunked with
+    ``loss_chunk_size``), as an unpipelined model does: no stage ever returns full-vocabulary
+    logits (8,192 tokens x 128,256 entries in fp32 is 4.2 GB per microbatch at Llama 3 sizes).
+    The schedule's loss function only picks the loss out of the stage's `LossOutput`
+    (`parallel.pipeline.stage_loss`)."""
     from densetrain.models import Transformer
-    from densetrain.models.loss import cross_entropy_loss
     from densetrain.parallel.pipeline import PipelinedModel, bubble_fraction, build_pipeline
 
     dims = pmesh.dims
@@ -122,11 +128,8 @@ def _build_pipelined(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, pmesh
             stage = Transformer(model_cfg)
         return convert_blocks_to_float8(stage, float8_recipe) if float8_recipe else stage
 
-    def stage_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_loss(logits_BSV, targets_BS, ignore_index=model_cfg.ignore_index,
-                                  z_loss_coef=model_cfg.z_loss_coef).loss
-
-    pipeline = build_pipeline(make_stage, pmesh, cfg, stage_loss, num_layers=model_cfg.num_layers,
-                              init_seed=seed, device=device, materialize=materialize)
+    pipeline = build_pipeline(make_stage, pmesh, cfg, num_layers=model_cfg.num_layers,
+                              init_seed=seed, device=device, materialize=materialize,
+                              loss_chunk_size=loss_chunk_size)
     return LaidOutModel(module=PipelinedModel(pipeline), pmesh=pmesh, pipeline=pipeline,
                         ignore_index=model_cfg.ignore_index)

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from densetrain.models.loss import LossOutput
 from densetrain.parallel.config import ParallelConfig
 from densetrain.parallel.layout_check import layer_split_reasons, require
 from densetrain.parallel.mesh import ParallelMesh
@@ -80,6 +81,7 @@ class Pipeline:
     num_stages: int
     num_microbatches: int
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    loss_chunk_size: int | None = None
 
     @property
     def has_first_stage(self) -> bool:
@@ -91,20 +93,29 @@ class Pipeline:
         """This rank computes the loss."""
         return self.num_stages - 1 in self.stage_ids
 
+    def _inputs(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[tuple, dict]:
+        """The schedule's arguments: tokens for the first stage; for the last, the targets as
+        keywords of its forward (torch splits keyword tensors into microbatches and hands them
+        to every stage of the rank; stages without the head ignore them), so that the stage
+        returns its loss (`Transformer.forward`) rather than full-vocabulary logits."""
+        args = (tokens,) if self.has_first_stage else ()
+        if not self.has_last_stage:
+            return args, {}
+        return args, {"target": targets, "targets_BS": targets,
+                      "loss_chunk_size": self.loss_chunk_size}
+
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of one batch; returns the mean loss on the last-stage rank."""
         losses: list[torch.Tensor] = []
-        args = (tokens,) if self.has_first_stage else ()
-        target = targets if self.has_last_stage else None
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        args, kwargs = self._inputs(tokens, targets)
+        self.schedule.step(*args, losses=losses, return_outputs=False, **kwargs)
         return torch.stack(losses).mean() if self.has_last_stage else None
 
     def eval(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward only (the schedule's ``eval``); the mean loss on the last-stage rank."""
         losses: list[torch.Tensor] = []
-        args = (tokens,) if self.has_first_stage else ()
-        target = targets if self.has_last_stage else None
-        self.schedule.eval(*args, target=target, losses=losses)
+        args, kwargs = self._inputs(tokens, targets)
+        self.schedule.eval(*args, losses=losses, return_outputs=False, **kwargs)
         return torch.stack(losses).mean().detach() if self.has_last_stage else None
 
 
@@ -134,16 +145,32 @@ class PipelinedModel(nn.Module):
         raise RuntimeError("a pipelined model runs through its pipeline schedule")
 
 
+def stage_loss(output: tuple[torch.Tensor, ...], targets_BS: torch.Tensor) -> torch.Tensor:
+    """The schedule's loss function: the last stage's forward already computed the loss
+    against ``targets_BS`` (passed to it as a keyword, `Pipeline.step`), so pick it out of
+    the stage's output (a `LossOutput` as a plain tuple, `_plain_tuple_output`)."""
+    del targets_BS
+    return LossOutput(*output).loss
+
+
+def _plain_tuple_output(module: nn.Module, args: object, output: object) -> object:
+    """Forward hook of the last stage: torch's stage takes a tuple output only when its type is
+    exactly ``tuple`` (a NamedTuple would be wrapped whole as one output), so hand the
+    `LossOutput` on as a plain tuple of its tensors."""
+    del module, args
+    return tuple(output) if isinstance(output, LossOutput) else output
+
+
 def build_pipeline(
     model_factory: Callable[[], nn.Module],
     pmesh: ParallelMesh,
     cfg: ParallelConfig,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     *,
     num_layers: int,
     init_seed: int,
     device: torch.device,
     materialize: Callable[[], AbstractContextManager] = nullcontext,
+    loss_chunk_size: int | None = None,
 ) -> Pipeline:
     """Build this rank's stages and the schedule. ``model_factory`` returns the whole model on
     the meta device; each stage keeps its ``num_layers`` share, is parallelized, and only then
@@ -162,15 +189,18 @@ def build_pipeline(
     for stage_id in stage_ids:
         module = split_stage(model_factory(), stage_id, sizes)
         module = parallelize(module, pmesh, cfg)
+        if stage_id == num_stages - 1:
+            module.register_forward_hook(_plain_tuple_output)
         with materialize():
             module.to_empty(device=device)
             init_weights(module, init_seed)
         modules.append(module)
     microbatches = cfg.num_microbatches
-    schedule = make_schedule(modules, stage_ids, num_stages, pmesh, cfg, loss_fn,
+    schedule = make_schedule(modules, stage_ids, num_stages, pmesh, cfg, stage_loss,
                              microbatches=microbatches, device=device)
     return Pipeline(schedule=schedule, modules=modules, stage_ids=stage_ids, num_stages=num_stages,
-                    num_microbatches=microbatches, loss_fn=loss_fn)
+                    num_microbatches=microbatches, loss_fn=stage_loss,
+                    loss_chunk_size=loss_chunk_size)
 
 
 def make_schedule(modules: list[nn.Module], stage_ids: list[int], num_stages: int,
