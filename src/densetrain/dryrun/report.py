@@ -47,7 +47,9 @@ def format_report(reports: list[RankReport],
                 f"  planner   parameters {prediction['params'] / GIB:.3f}   gradients "
                 f"{prediction['grads'] / GIB:.3f}   optimizer {prediction['optimizer'] / GIB:.3f}"
                 f"   activations {prediction['activations'] / GIB:.3f}   buffers "
-                f"{prediction['buffers'] / GIB:.3f}   peak {prediction['total'] / GIB:.3f} GiB "
+                f"{prediction['buffers'] / GIB:.3f}   optimizer step "
+                f"{prediction.get('optimizer_step', 0.0) / GIB:.3f}   peak "
+                f"{prediction['total'] / GIB:.3f} GiB "
                 f"(traced/predicted peak {r.peak_bytes / prediction['total']:.2f})")
         if r.save_items:
             lines.append(f"  save plan {r.save_items:,} items, {r.save_bytes / GIB:.3f} GiB of "
@@ -56,5 +58,7 @@ def format_report(reports: list[RankReport],
             dtypes = ", ".join(f"{n} {d}" for d, n in sorted(c.dtypes.items()))
             lines.append(f"  {c.kind:<15} over {c.group:<12} {c.calls:5d} calls "
                          f"{c.bytes / 1e9:10.3f} GB   ({dtypes})")
-        lines.append("  not traced: " + "; ".join((*r.notes, *r.not_traced)))
+        if r.notes:
+            lines.append("  notes: " + "; ".join(r.notes))
+        lines.append("  not traced: " + "; ".join(r.not_traced))
     return "\n".join(lines)

@@ -24,6 +24,7 @@ What is traced and what is not (each report says so):
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -133,10 +134,22 @@ def _traced_step(job: JobConfig, pmesh, rank: int, fake_mode) -> RankReport:
         loss_chunk_size=training.loss_chunk_size, local_batch_size=local_batch,
         micro_batch_size=micro,
         float8_recipe=training.float8_recipe if training.dtype == "float8" else "",
+        compute_dtype=torch.bfloat16 if training.dtype == "bf16" else None,
         materialize=lambda: fake_mode,
     )
     with fake_mode:
         return _step(job, model, pmesh, rank)
+
+
+def _optimizer_as_on_device(job: JobConfig, notes: list[str]) -> JobConfig:
+    """The job whose optimizer the dry run builds: the one the job's device would run. On CUDA
+    ``optim.fused = None`` picks torch's fused AdamW (`optim.optimizers`); the simulated rank's
+    tensors are on the CPU, where it would pick the foreach kernel, whose whole-list
+    temporaries (a copy of the rank's parameters) a CUDA run never allocates."""
+    if job.optim.name != "adamw" or job.optim.fused is not None or job.training.device == "cpu":
+        return job
+    notes.append("optimizer: torch's fused AdamW, as optim.fused=None picks it on CUDA")
+    return dataclasses.replace(job, optim=dataclasses.replace(job.optim, fused=True))
 
 
 def _step(job: JobConfig, model, pmesh, rank: int) -> RankReport:
@@ -149,10 +162,9 @@ def _step(job: JobConfig, model, pmesh, rank: int) -> RankReport:
     model_cfg = job.build_model_config()
     local_batch = dims.local_batch_size(training.global_batch_size)
     micro = training.micro_batch_size
-    optimizer = _build_optimizer(model, pmesh, job)
+    optimizer = _build_optimizer(model, pmesh, _optimizer_as_on_device(job, notes := []))
     params = list(model.module.parameters())
     autocast = autocast_factory(device, _bf16_if_float8(training.dtype))
-    notes = []
     # Two micro-batches when the step has them: the first runs as every non-final one does
     # (gradient accumulation), so what it leaves for the next (gradients) is in the peak.
     traced_micro, untraced_buffers = min(2, local_batch // micro), 0
@@ -225,6 +237,7 @@ def _static_pipeline(model, job: JobConfig, micro: int, autocast,
     """
     from torch.distributed.fsdp import FSDPModule
 
+    from densetrain.parallel.parallelize import fsdp_gather_dtype
     from densetrain.parallel.pipeline import make_schedule
 
     try:
@@ -243,8 +256,13 @@ def _static_pipeline(model, job: JobConfig, micro: int, autocast,
     seq = job.data.seq_len // pmesh.dims.cp
     dim = job.build_model_config().dim
 
+    # the residual stream's dtype: that of the parameters FSDP gathers (autocast leaves it)
+    stream_dtype = fsdp_gather_dtype(cfg, torch.bfloat16 if job.training.dtype == "bf16"
+                                     else None)
+
     def stage_io(stage_id: int, module) -> tuple:
-        dtype = next(module.parameters()).dtype  # the residual stream's (autocast leaves it)
+        dtype = stream_dtype if isinstance(module, FSDPModule) and stream_dtype else next(
+            module.parameters()).dtype
         if stage_id == 0:
             inputs = torch.zeros((micro, seq), dtype=torch.long)
         else:

@@ -53,11 +53,13 @@ def build_model(
     local_batch_size: int | None = None,
     micro_batch_size: int | None = None,
     float8_recipe: str = "",
+    compute_dtype: torch.dtype | None = None,
     materialize: Callable[[], AbstractContextManager] = nullcontext,
 ) -> LaidOutModel:
     """``model_cfg`` laid out on ``pmesh`` as ``parallel_cfg`` says, initialised from ``seed``.
 
-    ``loss_chunk_size`` selects the chunked output head (None: full logits). Pipeline parallel
+    ``loss_chunk_size`` selects the chunked output head (None: full logits). ``compute_dtype`` is
+    autocast's dtype (None: none): FSDP gathers parameters in it as ``fsdp_param_dtype`` says. Pipeline parallel
     needs ``local_batch_size`` and ``micro_batch_size`` to size its microbatches. A
     ``float8_recipe`` runs the blocks' linear layers in float8 (`parallel.float8`). The
     meta-device model is laid out first; only its materialisation and initialisation run
@@ -65,8 +67,9 @@ def build_model(
     reads the mesh's real rank tables, runs as in a real run).
     """
     from densetrain.models import Transformer
-    from densetrain.parallel.parallelize import init_weights, parallelize
+    from densetrain.parallel.parallelize import fsdp_gather_dtype, init_weights, parallelize
 
+    gather = fsdp_gather_dtype(parallel_cfg, compute_dtype)
     chunk = loss_chunk_size if loss_chunk_size and loss_chunk_size > 0 else None
     if float8_recipe:
         require(("float8_without_tp",), SimpleNamespace(tp=pmesh.dims.tp), model_cfg,
@@ -76,12 +79,13 @@ def build_model(
         return _build_pipelined(model_cfg, parallel_cfg, pmesh, device=device, seed=seed,
                                 compile=compile, local_batch_size=local_batch_size,
                                 micro_batch_size=micro_batch_size, float8_recipe=float8_recipe,
-                                loss_chunk_size=chunk, materialize=materialize)
+                                loss_chunk_size=chunk, gather_dtype=gather,
+                                materialize=materialize)
     with torch.device("meta"):
         module = Transformer(model_cfg)
     if float8_recipe:
         convert_blocks_to_float8(module, float8_recipe)
-    module = parallelize(module, pmesh, parallel_cfg, compile=compile)
+    module = parallelize(module, pmesh, parallel_cfg, compile=compile, gather_dtype=gather)
     with materialize():
         module.to_empty(device=device)
         init_weights(module, seed)
@@ -93,6 +97,7 @@ def _build_pipelined(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, pmesh
                      *, device: torch.device, seed: int, compile: bool,
                      local_batch_size: int | None, micro_batch_size: int | None,
                      float8_recipe: str, loss_chunk_size: int | None,
+                     gather_dtype: torch.dtype | None,
                      materialize: Callable[[], AbstractContextManager]) -> LaidOutModel:
     """This rank's stages (parallelized, initialised), their schedule, one `PipelinedModel`.
 
@@ -130,6 +135,6 @@ def _build_pipelined(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, pmesh
 
     pipeline = build_pipeline(make_stage, pmesh, cfg, num_layers=model_cfg.num_layers,
                               init_seed=seed, device=device, materialize=materialize,
-                              loss_chunk_size=loss_chunk_size)
+                              loss_chunk_size=loss_chunk_size, gather_dtype=gather_dtype)
     return LaidOutModel(module=PipelinedModel(pipeline), pmesh=pmesh, pipeline=pipeline,
                         ignore_index=model_cfg.ignore_index)

@@ -23,6 +23,10 @@ FLOAT8_RECIPES = ("tensorwise", "rowwise")
 """float8 scaling recipes of ``training.float8_recipe`` (`parallel.float8` says what each does)."""
 
 
+FSDP_PARAM_DTYPES = ("compute", "fp32")
+"""Allowed ``parallel.fsdp_param_dtype`` values."""
+
+
 @dataclass(kw_only=True)
 class ParallelConfig:
     """Degrees of each kind of parallelism and their options.
@@ -61,6 +65,11 @@ class ParallelConfig:
     """With "full": checkpoint every k-th block (1 = all blocks)."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer states in CPU memory (FSDP2 offload)."""
+    fsdp_param_dtype: str = "compute"
+    """Dtype FSDP gathers parameters in: "compute" (the training dtype: bf16 under
+    ``training.dtype = "bf16"``, halving all-gather bytes and the gathered copies, with the
+    residual stream in bf16; gradients are still reduced and kept in fp32) or "fp32" (gather the
+    fp32 parameters and let autocast cast them for each matmul, as one process does)."""
     collective_timeout_s: float = 600.0
     """A collective that waits longer than this fails with an error naming the rank and step."""
 
@@ -93,6 +102,11 @@ class ParallelConfig:
             raise ValueError(
                 "parallel.activation_checkpointing must be one of "
                 f"{list(ACTIVATION_CHECKPOINTING)}, got {self.activation_checkpointing!r}"
+            )
+        if self.fsdp_param_dtype not in FSDP_PARAM_DTYPES:
+            raise ValueError(
+                f"parallel.fsdp_param_dtype must be one of {list(FSDP_PARAM_DTYPES)}, "
+                f"got {self.fsdp_param_dtype!r}"
             )
         if not isinstance(self.pp_microbatches, int) or self.pp_microbatches < 0:
             raise ValueError(

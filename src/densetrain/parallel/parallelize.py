@@ -40,12 +40,14 @@ def data_parallel_kind(dims: ParallelDims, cfg: ParallelConfig) -> str:
 
 
 def parallelize(
-    model: nn.Module, pmesh: ParallelMesh, cfg: ParallelConfig, *, compile: bool = False
+    model: nn.Module, pmesh: ParallelMesh, cfg: ParallelConfig, *, compile: bool = False,
+    gather_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Apply TP/SP → CP → AC → compile → FSDP/DDP to ``model`` (a Transformer or pipeline stage).
 
     Works in place and returns ``model``. On one process only activation checkpointing and
-    compile apply. Weights are initialised afterwards with `init_weights`.
+    compile apply. Weights are initialised afterwards with `init_weights`. ``gather_dtype``:
+    the dtype FSDP gathers parameters in (None: their own, fp32; `fsdp_gather_dtype`).
     """
     dims = pmesh.dims
     if dims.tp > 1:
@@ -71,12 +73,23 @@ def parallelize(
             dp_mesh = pmesh.device_mesh[tuple(names)]
         else:
             dp_mesh = pmesh.submesh(shard_axis)
-        apply_fsdp(model, dp_mesh, cpu_offload=cfg.cpu_offload)
+        apply_fsdp(model, dp_mesh, cpu_offload=cfg.cpu_offload, param_dtype=gather_dtype)
     elif kind == "ddp":
         from densetrain.parallel.ddp import apply_ddp
 
         apply_ddp(model, pmesh.submesh("dp_replicate"))
     return model
+
+
+def fsdp_gather_dtype(cfg: ParallelConfig, compute_dtype: torch.dtype | None
+                      ) -> torch.dtype | None:
+    """The dtype FSDP gathers parameters in for a run computing in ``compute_dtype`` (autocast's
+    dtype; None or fp32: no autocast): that dtype under ``fsdp_param_dtype = "compute"`` (each
+    matmul would cast the fp32 parameter to it anyway, so only the all-gather and the gathered
+    copy shrink), else None (fp32)."""
+    if cfg.fsdp_param_dtype != "compute" or compute_dtype in (None, torch.float32):
+        return None
+    return compute_dtype
 
 
 def build_optimizer(

@@ -171,6 +171,7 @@ def build_pipeline(
     device: torch.device,
     materialize: Callable[[], AbstractContextManager] = nullcontext,
     loss_chunk_size: int | None = None,
+    gather_dtype: torch.dtype | None = None,
 ) -> Pipeline:
     """Build this rank's stages and the schedule. ``model_factory`` returns the whole model on
     the meta device; each stage keeps its ``num_layers`` share, is parallelized, and only then
@@ -188,7 +189,7 @@ def build_pipeline(
     modules = []
     for stage_id in stage_ids:
         module = split_stage(model_factory(), stage_id, sizes)
-        module = parallelize(module, pmesh, cfg)
+        module = parallelize(module, pmesh, cfg, gather_dtype=gather_dtype)
         if stage_id == num_stages - 1:
             module.register_forward_hook(_plain_tuple_output)
         with materialize():

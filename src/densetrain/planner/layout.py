@@ -154,6 +154,11 @@ class PlanSettings:
     their all-gathered whole-sequence input for backward, 2sbh(1 - 1/t) bytes per layer more
     than Megatron-LM, which gathers it again in backward (False: Korthikanti et al. 2022's
     count). Found by the dry run of Llama 3 8B on TP 8 x FSDP 8 (docs/planner.md)."""
+    selective_keeps_matmul_outputs: bool = True
+    """The ``selective`` policy as the trainer runs it: every matmul and attention output kept,
+    everything else recomputed (`planner.memory.selective_matmul_bytes`). False: Korthikanti et
+    al. 2022's selective recompute (only the attention core recomputed), as Megatron-LM runs
+    it. Found by the dry run of Llama 3 8B (docs/planner.md)."""
     pp_recv_buffer_per_microbatch: bool = True
     """Pipeline stages as the trainer runs them (``torch.distributed.pipelining``): at its first
     step each stage allocates one activation and one gradient receive buffer per microbatch of
@@ -180,6 +185,12 @@ class PlanSettings:
     """Share of device memory the allocator can hand out (fragmentation, reserved pools)."""
     workspace_gb: float = 1.5
     """Framework context, communication and matmul workspaces."""
+    optimizer_step_temporaries: float = 0.0
+    """fp32 copies of the rank's parameters the optimizer step allocates at once: 0 for a fused
+    kernel (torch's fused AdamW, which the trainer picks on CUDA; Megatron-LM's Apex Adam); 1
+    for torch's foreach AdamW (the trainer's on CPU DTensors), whose update is built from
+    whole-list temporaries, one the size of the parameters at its peak (traced by the dry run
+    of GPT-3 175B, docs/planner.md)."""
     optimizer_bytes_touched: int = 28
     """HBM bytes read+written per locally-updated parameter by the AdamW step."""
 

@@ -46,7 +46,8 @@ def zero_model_state_bytes(num_params, shard, stage, param_bytes, grad_bytes, op
 
 def layer_activation_bytes(cfg: ModelConfig, *, seq_len, micro_batch, tp, sequence_parallel,
                            policy, flash_attention: bool, dropout: bool, activation_bytes=2,
-                           sp_keeps_gathered_inputs: bool = False):
+                           sp_keeps_gathered_inputs: bool = False,
+                           selective_keeps_matmul_outputs: bool = False, stream_bytes=None):
     """Activation bytes one transformer layer keeps for backward, per microbatch (elementwise).
 
     ``seq_len`` is the local sequence (s / cp); ``policy`` an index into ``AC_POLICIES``. The
@@ -55,6 +56,9 @@ def layer_activation_bytes(cfg: ModelConfig, *, seq_len, micro_batch, tp, sequen
     the all-gathered (whole-sequence) normed input for their weight gradient, as DTensor's
     sequence parallelism does, instead of gathering it again in backward as Megatron-LM does
     (Korthikanti et al. 2022 §4.2.2, whose formula is the default).
+    ``selective_keeps_matmul_outputs``: the ``selective`` policy as the trainer runs it
+    (`selective_matmul_bytes`) instead of Korthikanti et al.'s (recompute the attention core).
+    ``stream_bytes``: bytes per element of the residual stream (default ``activation_bytes``).
     """
     s, b, t = (np.asarray(x, dtype=np.float64) for x in (seq_len, micro_batch, tp))
     sp = np.asarray(sequence_parallel, dtype=bool)
@@ -87,8 +91,31 @@ def layer_activation_bytes(cfg: ModelConfig, *, seq_len, micro_batch, tp, sequen
     if sp_keeps_gathered_inputs:
         gathered = sbh * e * num_linear_inputs * (1.0 - 1.0 / t)
         stored = stored + np.where(sp & (t > 1), gathered, 0.0)
-    layer_input = np.where(sp, e * sbh / t, e * sbh)
+    stream = e if stream_bytes is None else stream_bytes
+    layer_input = np.where(sp, stream * sbh / t, stream * sbh)
+    if selective_keeps_matmul_outputs:
+        kept = selective_matmul_bytes(cfg, s=s, b=b, t=t, e=e, kv_split=kv_split,
+                                      flash_attention=flash_attention)
+        stored = np.where(policy == AC_SELECTIVE, layer_input + kept, stored)
     return np.where(policy == AC_FULL, layer_input, stored)
+
+
+def selective_matmul_bytes(cfg: ModelConfig, *, s, b, t, e, kv_split, flash_attention=True):
+    """What the trainer's ``selective`` policy (`parallel.checkpointing`: torch's selective
+    checkpoint keeping every matmul and attention output, recomputing the rest) stores per layer
+    beyond the layer's input: q, k and v; the attention output and its fp32 log-sum-exp per
+    query and head; the MLP's up (and gate) projections; and the outputs of the two row-parallel
+    matmuls (wo, w_down), which under tensor parallel are each rank's whole-sequence partial
+    sums before their reduction, [s, h] on every rank. Without a fused attention kernel the
+    attention scores (a batched matmul's output, s x s per head) are kept in place of the
+    log-sum-exp. Measured against the dry run of Llama 3 8B (docs/planner.md)."""
+    sb = s * b
+    attention = sb * e * (2 * cfg.q_dim / t + 2 * cfg.kv_dim / kv_split)
+    core = cfg.num_heads * sb * (4.0 if flash_attention else s * e) / t
+    attention = attention + core
+    up = (2 if cfg.activation == "swiglu" else 1) * sb * e * cfg.ffn_dim / t
+    row_parallel = 2 * sb * e * cfg.dim
+    return attention + up + row_parallel
 
 
 def _relative_position_bytes(cfg: ModelConfig, s, b, t, policy, flash_attention: bool, e):
@@ -197,16 +224,21 @@ def memory_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layo
     )
     microbatches = global_batch // (cols.dp * cols.micro_batch_size)
     local_seq = seq_len / cols.cp
-    kwargs = dict(seq_len=local_seq, micro_batch=cols.micro_batch_size, tp=cols.tp,
+    # FSDP (stage 3, shard > 1) gathers parameters in ``gather_bytes``: the embedding it gathers
+    # sets the residual stream's dtype, and so that of the stages' outputs and receive buffers.
+    fsdp = (cols.zero_stage == 3) & (cols.dp_shard > 1)
+    stream_bytes = np.where(fsdp, gather_bytes, p_bytes)
+    kwargs = dict(stream_bytes=stream_bytes, seq_len=local_seq, micro_batch=cols.micro_batch_size, tp=cols.tp,
                   sequence_parallel=cols.sequence_parallel,
                   flash_attention=settings.flash_attention, dropout=settings.attention_dropout,
                   activation_bytes=settings.activation_bytes,
-                  sp_keeps_gathered_inputs=settings.sp_keeps_gathered_inputs)
+                  sp_keeps_gathered_inputs=settings.sp_keeps_gathered_inputs,
+                  selective_keeps_matmul_outputs=settings.selective_keeps_matmul_outputs)
     per_layer = layer_activation_bytes(cfg, policy=cols.activation_checkpointing, **kwargs)
     # Full recompute rebuilds one layer's activations at a time during backward.
     working = layer_activation_bytes(cfg, policy=np.full(len(cols), AC_NONE), **kwargs)
     working = np.where(cols.activation_checkpointing == AC_FULL, working, 0.0)
-    hidden = cols.micro_batch_size * local_seq * cfg.dim * p_bytes  # residual stream, 1 chunk
+    hidden = cols.micro_batch_size * local_seq * cfg.dim * stream_bytes  # residual, 1 chunk
     activations, recv = _pipeline_rank_memory(cols, settings, per_layer, stage_layers,
                                               microbatches, hidden, pp_rank=pp_rank or 0)
     # The second pipeline rank holds one (interleaved: two) chunk fewer in flight but, a
@@ -221,17 +253,21 @@ def memory_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layo
     head = np.where(cols.sequence_parallel, head / cols.tp, head)
     if not settings.chunked_loss:  # bf16 logits + fp32 logits and their gradient
         head = head + tokens * cfg.padded_vocab_size * (settings.activation_bytes + 8) / cols.tp
-    # FSDP (stage 3, shard > 1): two layers gathered (current + prefetch) and one layer of
-    # unsharded gradients waiting for reduce-scatter.
-    fsdp = (cols.zero_stage == 3) & (cols.dp_shard > 1)
+    # FSDP: two layers gathered (current + prefetch) and one layer of unsharded gradients
+    # waiting for reduce-scatter.
     buffers = np.where(fsdp, layer_params * (2 * gather_bytes + g_bytes), 0.0)
     buffers = buffers + settings.workspace_gb * 1e9
     buffers = buffers + recv
     if settings.pp_keeps_stage_unsharded:
         whole_stage = (cols.pp > 1) & fsdp
         buffers = buffers + np.where(whole_stage, stage_params * gather_bytes, 0.0)
-    total = params + grads + optim + activations + head + buffers
+    # The optimizer step: the model states, the pipeline's receive buffers (kept for the
+    # schedule's life) and the step's temporaries (torch's foreach AdamW makes fp32 lists the
+    # size of the rank's parameters).
+    step = params + grads + optim + recv + settings.optimizer_step_temporaries * (
+        params * 4 / p_bytes)
+    total = np.maximum(params + grads + optim + activations + head + buffers, step)
     return {"params": params, "grads": grads, "optimizer": optim, "activations": activations,
-            "head": head, "buffers": buffers, "total": total, "stage_params": stage_params,
+            "head": head, "buffers": buffers, "optimizer_step": step, "total": total, "stage_params": stage_params,
             "layer_params": layer_params, "stage_layers": stage_layers.astype(np.float64),
             "microbatches": microbatches.astype(np.float64)}

@@ -173,6 +173,7 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
         local_batch_size=dims.local_batch_size(training.global_batch_size),
         micro_batch_size=training.micro_batch_size,
         float8_recipe=training.float8_recipe if training.dtype == "float8" else "",
+        compute_dtype=torch.bfloat16 if training.dtype == "bf16" else None,
     )
     if training.init_from:
         init_from(model.module, training.init_from)

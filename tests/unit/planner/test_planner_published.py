@@ -21,7 +21,7 @@ GB = 1e9
 MEGATRON = PlanSettings(flash_attention=False, attention_dropout=True, dp_overlap=False,
                         checkpoint_early_stop=False, sp_keeps_gathered_inputs=False,
                         pp_recv_buffer_per_microbatch=False, pp_holds_stage_outputs=False,
-                        pp_keeps_stage_unsharded=False)
+                        pp_keeps_stage_unsharded=False, selective_keeps_matmul_outputs=False)
 
 
 def megatron_gpt(hidden: int, layers: int, heads: int) -> ModelConfig:
