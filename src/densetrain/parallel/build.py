@@ -58,13 +58,13 @@ def build_model(
 ) -> LaidOutModel:
     """``model_cfg`` laid out on ``pmesh`` as ``parallel_cfg`` says, initialised from ``seed``.
 
-    ``loss_chunk_size`` selects the chunked output head (None: full logits). ``compute_dtype`` is
-    autocast's dtype (None: none): FSDP gathers parameters in it as ``fsdp_param_dtype`` says. Pipeline parallel
-    needs ``local_batch_size`` and ``micro_batch_size`` to size its microbatches. A
-    ``float8_recipe`` runs the blocks' linear layers in float8 (`parallel.float8`). The
-    meta-device model is laid out first; only its materialisation and initialisation run
-    inside ``materialize()`` (a dry run passes ``FakeTensorMode``, so that the layout code, which
-    reads the mesh's real rank tables, runs as in a real run).
+    ``loss_chunk_size`` selects the chunked output head (None: full logits). ``compute_dtype``
+    is autocast's dtype (None: none): FSDP gathers parameters in it as ``fsdp_param_dtype``
+    says. Pipeline parallel needs ``local_batch_size`` and ``micro_batch_size`` to size its
+    microbatches. A ``float8_recipe`` runs the blocks' linear layers in float8
+    (`parallel.float8`). The meta-device model is laid out first; only its materialisation
+    and initialisation run inside ``materialize()`` (a dry run passes ``FakeTensorMode``, so
+    that the layout code, which reads the mesh's real rank tables, runs as in a real run).
     """
     from densetrain.models import Transformer
     from densetrain.parallel.parallelize import fsdp_gather_dtype, init_weights, parallelize

@@ -228,7 +228,8 @@ def memory_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layo
     # sets the residual stream's dtype, and so that of the stages' outputs and receive buffers.
     fsdp = (cols.zero_stage == 3) & (cols.dp_shard > 1)
     stream_bytes = np.where(fsdp, gather_bytes, p_bytes)
-    kwargs = dict(stream_bytes=stream_bytes, seq_len=local_seq, micro_batch=cols.micro_batch_size, tp=cols.tp,
+    kwargs = dict(stream_bytes=stream_bytes, seq_len=local_seq,
+                  micro_batch=cols.micro_batch_size, tp=cols.tp,
                   sequence_parallel=cols.sequence_parallel,
                   flash_attention=settings.flash_attention, dropout=settings.attention_dropout,
                   activation_bytes=settings.activation_bytes,
@@ -268,6 +269,7 @@ def memory_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layo
         params * 4 / p_bytes)
     total = np.maximum(params + grads + optim + activations + head + buffers, step)
     return {"params": params, "grads": grads, "optimizer": optim, "activations": activations,
-            "head": head, "buffers": buffers, "optimizer_step": step, "total": total, "stage_params": stage_params,
-            "layer_params": layer_params, "stage_layers": stage_layers.astype(np.float64),
+            "head": head, "buffers": buffers, "optimizer_step": step, "total": total,
+            "stage_params": stage_params, "layer_params": layer_params,
+            "stage_layers": stage_layers.astype(np.float64),
             "microbatches": microbatches.astype(np.float64)}
