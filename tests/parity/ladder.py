@@ -87,17 +87,17 @@ def run_control(
     model = Transformer(tiny_model_config(architecture, **(model_overrides or {})))
     model.init_weights(seed=SEED)
     opt = adamw(list(model.parameters()))
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         tokens, targets = batch(step)
         loss = cross_entropy_loss(model(tokens), targets).loss
         loss.backward()
         if clip:
-            torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip)
+            norms.append(torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "weights": full_weights(model)}
+    return {"losses": losses, "weights": full_weights(model), "grad_norms": norms}
 
 
 def _local_batch(pmesh: ParallelMesh, step: int):
@@ -255,11 +255,18 @@ def _meta_model(model_cfg) -> Transformer:
 
 
 def run_pipeline_layout(rank: int, world: int, layout: dict, steps: int = STEPS) -> dict:
-    """Train the tiny model on a layout with pp > 1 (composed with tp/fsdp as given)."""
+    """Train the tiny model on a layout with pp > 1 (composed with tp/fsdp as given).
+
+    Besides ParallelConfig fields a layout may hold ``_arch``, ``_model`` (as in `run_layout`)
+    and ``_clip`` (clip the gradient norm, summed over the pp group, and return each step's
+    norm as ``grad_norms``). With tied embeddings ``tied_copies`` holds every stage's full copy
+    of the embedding matrix after training (the first stage's and the last stage's)."""
+    from densetrain.optim.clipping import clip_grad_norm_
     from densetrain.parallel.pipeline import build_pipeline
 
     layout = dict(layout)
-    model_cfg = tiny_model_config(**layout.pop("_model", {}))
+    clip = layout.pop("_clip", 0.0)
+    model_cfg = tiny_model_config(layout.pop("_arch", "llama"), **layout.pop("_model", {}))
     cfg = ParallelConfig(**layout)
     dims = ParallelDims.from_config(cfg, world)
     local = dims.local_batch_size(GLOBAL_BATCH)
@@ -271,26 +278,32 @@ def run_pipeline_layout(rank: int, world: int, layout: dict, steps: int = STEPS)
     )
     params = [p for m in pipe.modules for p in m.parameters()]
     opt = adamw(params)
-    losses = []
+    losses, norms = [], []
     start = time.perf_counter()
     for step in range(steps):
         tokens, targets = _local_batch(pmesh, step)
         loss = pipe.step(tokens, targets)
+        if clip:
+            norms.append(clip_grad_norm_(params, clip, pp_group=pmesh.group("pp")).item())
         opt.step()
         opt.zero_grad()
         value = loss.detach() if loss is not None else torch.zeros(())
         dist.all_reduce(value, group=pmesh.group("pp"))
         losses.append(_mean_over(value, pmesh, "dp"))
     elapsed = time.perf_counter() - start
-    weights = {}
+    weights, copies = {}, []
     for m in pipe.modules:
         weights.update(full_weights(m))
+        if model_cfg.tie_embeddings and m.tok_embeddings is not None:
+            copies.append(full_weights(m)["tok_embeddings.weight"])
     gathered = [None] * world
-    dist.all_gather_object(gathered, weights)
-    merged = {}
-    for part in gathered:
+    dist.all_gather_object(gathered, (weights, copies))
+    merged, all_copies = {}, []
+    for part, part_copies in gathered:
         merged.update(part)
-    return {"losses": losses, "weights": merged if rank == 0 else None, "seconds": elapsed}
+        all_copies.extend(part_copies)
+    return {"losses": losses, "weights": merged if rank == 0 else None, "seconds": elapsed,
+            "grad_norms": norms, "tied_copies": all_copies if rank == 0 else None}
 
 
 def run_many_pipeline(rank: int, world: int, layouts: list[dict]) -> list[dict]:

@@ -3,8 +3,9 @@
 Parameter names follow the table in docs/architecture.md (HF interop, tensor-parallel plans and
 checkpoints rely on them). ``layers`` is an ``nn.ModuleDict`` keyed "0".."L-1"; a pipeline split
 may delete layers and set ``tok_embeddings``, ``norm`` and ``output`` to None, and forward skips
-what is missing (a stage without ``tok_embeddings`` takes hidden states [B, S, D]; one without
-``output`` returns hidden states).
+what is missing (a stage that does not embed tokens, ``embeds_tokens`` False, takes hidden states
+[B, S, D]; one without ``output`` returns hidden states). The last stage of a tied model keeps
+``tok_embeddings`` as its head's weight only (``embeds_tokens`` False).
 
 Shape legend: B batch, S sequence, D dim, E embed_dim, V vocab_size, P padded vocab, H heads.
 """
@@ -123,6 +124,9 @@ class Transformer(nn.Module):
         # and whether the chunked loss runs its per-chunk kernel through torch.compile.
         self.loss_head: LossHead = lm_head_loss
         self.compile_loss_kernel = False
+        # False on a pipeline stage after the first: its input is hidden states, and a
+        # ``tok_embeddings`` it still holds (the tied head's copy) is not applied to it.
+        self.embeds_tokens = True
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -167,7 +171,7 @@ class Transformer(nn.Module):
 
         Stages without ``norm``/``output`` return the last layer's residual stream [B, S, D].
         """
-        if self.tok_embeddings is not None:
+        if self.takes_tokens():
             batch, seq = tokens_BS.shape
         else:
             batch, seq = tokens_BS.shape[:2]
@@ -189,9 +193,13 @@ class Transformer(nn.Module):
             h_BSD = self.project_out(h_BSD)
         return h_BSD
 
+    def takes_tokens(self) -> bool:
+        """Whether forward's input is token ids (else hidden states of an earlier stage)."""
+        return self.embeds_tokens and self.tok_embeddings is not None
+
     def _embed(self, tokens_BS: torch.Tensor, positions_BS: torch.Tensor) -> torch.Tensor:
         """Token (+ learned position) embeddings; identity on hidden-state stage inputs."""
-        if self.tok_embeddings is None:
+        if not self.takes_tokens():
             return tokens_BS
         h_BSD = self.tok_embeddings(tokens_BS)
         if self.project_in is not None:
@@ -242,10 +250,7 @@ class Transformer(nn.Module):
         """The [P, E] matrix that maps hidden states to logits (the embedding when tied)."""
         if isinstance(self.output, TiedOutput):
             if self.tok_embeddings is None:
-                raise RuntimeError(
-                    "tied output head without tok_embeddings: pipeline stages need untied "
-                    "embeddings"
-                )
+                raise RuntimeError("tied output head without tok_embeddings")
             return self.tok_embeddings.weight
         if self.output is None:
             raise RuntimeError("this model has no output head (output is None)")

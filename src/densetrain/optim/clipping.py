@@ -3,7 +3,9 @@
 ``torch.nn.utils.get_total_norm`` reduces DTensor gradients correctly (the per-tensor norms are
 partial over the shards and the result is a DTensor); the total is then made a plain tensor with
 ``full_tensor()`` so that every rank scales by the same factor. Pipeline stages hold disjoint
-parameters, so their norms are combined with an all-reduce over the pipeline group.
+parameters, so their norms are combined with an all-reduce over the pipeline group; a parameter
+another rank of that group also holds (the last stage's copy of a tied embedding) is marked
+with `mark_counted_elsewhere` and left out of the norm here (it is still clipped).
 """
 
 from __future__ import annotations
@@ -14,6 +16,14 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+_COUNTED_ELSEWHERE = "_densetrain_norm_counted_elsewhere"
+
+
+def mark_counted_elsewhere(param: torch.Tensor) -> None:
+    """Leave ``param`` out of the gradient norm of this rank: its gradient equals that of a
+    parameter another rank of the pp group holds and counts (a copy of a shared matrix)."""
+    setattr(param, _COUNTED_ELSEWHERE, True)
 
 
 def clip_grad_norm_(
@@ -37,8 +47,9 @@ def clip_grad_norm_(
     # Tensor parallel without sequence parallel leaves the norms' weights plain (replicated)
     # tensors beside DTensor shards; torch's foreach norm refuses the mix, so each kind is
     # reduced on its own and the two totals combined.
-    sharded = [p.grad for p in params if isinstance(p.grad, DTensor)]
-    plain = [p.grad for p in params if not isinstance(p.grad, DTensor)]
+    measured = [p for p in params if not getattr(p, _COUNTED_ELSEWHERE, False)]
+    sharded = [p.grad for p in measured if isinstance(p.grad, DTensor)]
+    plain = [p.grad for p in measured if not isinstance(p.grad, DTensor)]
     totals = []
     for grads in (sharded, plain):
         if grads:
@@ -47,7 +58,10 @@ def clip_grad_norm_(
                 foreach=foreach,
             )
             totals.append(part.full_tensor() if isinstance(part, DTensor) else part)
-    if len(totals) == 1:
+    if not totals:  # only copies counted on other ranks: this rank adds nothing
+        grad = params[0].grad
+        total = torch.zeros((), device=grad.device, dtype=torch.float32)
+    elif len(totals) == 1:
         total = totals[0]
     elif math.isinf(norm_type):
         total = torch.maximum(totals[0], totals[1].to(totals[0].device))

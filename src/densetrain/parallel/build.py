@@ -111,8 +111,9 @@ def _build_pipelined(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, pmesh
     from densetrain.parallel.pipeline import PipelinedModel, bubble_fraction, build_pipeline
 
     dims = pmesh.dims
-    fields = SimpleNamespace(pp=dims.pp, zero_stage=parallel_cfg.zero_stage)
-    require(("pp_needs_zero3", "pp_without_compile", "pp_untied_embeddings"), fields, model_cfg,
+    fields = SimpleNamespace(pp=dims.pp, zero_stage=parallel_cfg.zero_stage,
+                             pp_schedule=parallel_cfg.pp_schedule)
+    require(("pp_needs_zero3", "pp_without_compile", "pp_tied_without_zbv"), fields, model_cfg,
             RunShape(seq_len=0, global_batch_size=0, world_size=dims.world_size,
                      compile=compile))
     if local_batch_size is None or micro_batch_size is None:

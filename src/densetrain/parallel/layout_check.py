@@ -35,8 +35,8 @@ and where each comes from:
 - batch: the global batch splits into dp x micro_batch_size; pipeline microbatches divide the
   rank's batch and are >= pp except for GPipe; interleaved schedules need a whole number of
   rounds (torch.distributed.pipelining: m is a multiple of max(1, m // pp));
-- pipeline composes with ZeRO-3 only, not with ``compile``, untied embeddings, no document
-  masks, a constant batch (no batch-size ramp).
+- pipeline composes with ZeRO-3 only, not with ``compile``, tied embeddings not with the
+  ``zbv`` schedule, no document masks, a constant batch (no batch-size ramp).
 """
 
 from __future__ import annotations
@@ -245,10 +245,14 @@ RULES: tuple[Rule, ...] = (
     Rule("pp_without_compile",
          lambda f, m, r: (f.pp > 1) & r.compile,
          lambda f, m, r: f"training.compile is not supported with parallel.pp={f.pp}"),
-    Rule("pp_untied_embeddings",
-         lambda f, m, r: (f.pp > 1) & bool(m.tie_embeddings),
-         lambda f, m, r: f"parallel.pp={f.pp} needs untied embeddings "
-         "(model.tie_embeddings=False)"),
+    # Tied embeddings keep a copy of the matrix on the last stage and sum the two copies'
+    # gradients between the first and last pp rank (`parallel.pipeline`); the V schedule puts
+    # both stages on one rank, where the copies would need a local sum instead.
+    Rule("pp_tied_without_zbv",
+         lambda f, m, r: (f.pp > 1) & (f.pp_schedule == "zbv") & bool(m.tie_embeddings),
+         lambda f, m, r: f'parallel.pp={f.pp} with pp_schedule="zbv" needs untied embeddings '
+         "(model.tie_embeddings=False): the V schedule holds the first and last stage on one "
+         "rank; tied embeddings run with the other schedules"),
     # A pipeline's stages fix their send/receive shapes at the first step; a growing batch
     # changes the microbatch shape (gloo then fails on the size mismatch).
     Rule("pp_constant_batch",

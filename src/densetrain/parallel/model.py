@@ -264,6 +264,8 @@ class LaidOutModel:
         in_root_group = 0 in pp_ranks
         device = _collective_device(self.pmesh)
         local = get_model_state_dict(self.module)  # sharded: DTensors under the full names
+        for name in self.pipeline.duplicate_names:  # the first stage's rank sends it
+            local.pop(name, None)
         specs = [(name, tuple(value.shape), value.dtype) for name, value in local.items()]
         stage_specs: list[Any] | None = [None] * len(pp_ranks) if rank == 0 else None
         if in_root_group:

@@ -6,6 +6,15 @@ output head. Rank r of the pp group holds stage r (and r + pp, r + 2·pp, ... wi
 schedules; r and 2·pp − 1 − r with the V-shaped zero-bubble schedule). Each stage is then
 parallelized (TP, AC, compile, FSDP) on its own by ``parallelize``.
 
+Tied embeddings (GPT-2/GPT-3): the first stage embeds with the matrix the last stage's head
+projects with. As in Megatron-LM (Narayanan et al. 2021, §3), the last stage keeps its own copy
+of the matrix, ``tok_embeddings.weight`` under the same name (so the seeded init gives it the
+first stage's bits, checkpoints hold one tensor and a load fills both copies), and after each
+backward the two copies' gradients are summed over the "embedding group" of the first and last
+pp ranks (`Pipeline.sync_tied_gradients`): both take the same update and stay bit-identical. The
+gradient norm counts the matrix once (the last stage's copy is left out of it:
+`optim.clipping.mark_counted_elsewhere`).
+
 Bubble: with p stages per pipeline and m microbatches, GPipe and 1F1B idle for a fraction
 (p − 1)/(m + p − 1) of the step, i.e. (p − 1)/m of the useful time (Narayanan et al. 2021, §2.2);
 interleaving v stages per rank divides it by v.
@@ -15,10 +24,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from densetrain.models.loss import LossOutput
@@ -56,19 +66,44 @@ def stage_ids_for_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> li
 
 
 def split_stage(model: nn.Module, stage: int, sizes: list[int]) -> nn.Module:
-    """Keep in ``model`` (in place) only what stage ``stage`` of ``sizes`` runs."""
-    require(("pp_untied_embeddings",), SimpleNamespace(pp=len(sizes)), model.config)
+    """Keep in ``model`` (in place) only what stage ``stage`` of ``sizes`` runs.
+
+    Stages after the first take hidden states (``embeds_tokens`` False) and drop the embedding
+    side (token and position embeddings, projection, embedding norm); stages before the last
+    drop the final norm, projection and head. The last stage of a tied model keeps
+    ``tok_embeddings`` as its head's weight (`Transformer.output_weight`)."""
     start = sum(sizes[:stage])
     keep = {str(i) for i in range(start, start + sizes[stage])}
     for name in list(model.layers.keys()):
         if name not in keep:
             del model.layers[name]
+    last = len(sizes) - 1
     if stage != 0:
-        model.tok_embeddings = None
-    if stage != len(sizes) - 1:
+        model.embeds_tokens = False
+        if not (stage == last and model.config.tie_embeddings):
+            model.tok_embeddings = None
+        # Left in place these would be parameters no stage trains, saved beside the first
+        # stage's trained ones under the same names.
+        model.project_in = model.pos_embeddings = model.embed_norm = None
+    if stage != last:
         model.norm = None
         model.output = None
+        model.project_out = None
     return model
+
+
+def tied_embedding_group(pmesh: ParallelMesh) -> dist.ProcessGroup | None:
+    """The process group of the pp ranks holding the first and the last stage (pp ranks 0 and
+    pp − 1) at this rank's other mesh coordinates; with pp = 2 the pp group itself. Every rank
+    must call it (new groups are made by all ranks, in one order)."""
+    pp = pmesh.dims.pp
+    if pp == 2:
+        return pmesh.group("pp")
+    mesh = pmesh.device_mesh
+    ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), -1).reshape(-1, pp)
+    pairs = [[int(row[0]), int(row[-1])] for row in ranks]
+    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    return group
 
 
 @dataclass
@@ -82,6 +117,18 @@ class Pipeline:
     num_microbatches: int
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     loss_chunk_size: int | None = None
+    tied_weights: list[torch.Tensor] = field(default_factory=list)
+    """This rank's copies of a tied embedding matrix (first stage's, last stage's), if any."""
+    tied_group: dist.ProcessGroup | None = None
+    """The embedding group (`tied_embedding_group`) over which their gradients are summed."""
+
+    @property
+    def duplicate_names(self) -> list[str]:
+        """Names of this rank's state that another pp rank also holds: the last stage's copy of
+        a tied embedding on a rank without the first stage (equal to the first stage's)."""
+        if self.tied_weights and not self.has_first_stage:
+            return ["tok_embeddings.weight"]
+        return []
 
     @property
     def has_first_stage(self) -> bool:
@@ -109,7 +156,29 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args, kwargs = self._inputs(tokens, targets)
         self.schedule.step(*args, losses=losses, return_outputs=False, **kwargs)
+        self.sync_tied_gradients()
         return torch.stack(losses).mean() if self.has_last_stage else None
+
+    @torch.no_grad()
+    def sync_tied_gradients(self) -> None:
+        """Sum the gradients of the tied embedding's two copies over the embedding group, so
+        that each holds the full gradient of the one shared matrix (its use as the input
+        embedding plus its use as the head). The copies are sharded alike (the same FSDP/TP
+        layout on both stages), so once each gradient has its weight's layout the local shards
+        add element by element."""
+        from torch.distributed.tensor import DTensor
+
+        for weight in self.tied_weights:
+            if weight.grad is None:  # the other rank still waits for this one's part
+                weight.grad = torch.zeros_like(weight)
+            grad = weight.grad
+            if isinstance(grad, DTensor) and grad.placements != weight.placements:
+                # The vocab-parallel embedding's backward leaves a replicated gradient where
+                # the head's is sharded by rows like the weight: slice it (no communication).
+                grad = grad.redistribute(weight.device_mesh, weight.placements)
+                weight.grad = grad
+            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad,
+                            group=self.tied_group)
 
     def eval(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward only (the schedule's ``eval``); the mean loss on the last-stage rank."""
@@ -186,22 +255,37 @@ def build_pipeline(
     sizes = layer_split(num_layers, num_stages, cfg.pp_layer_split)
     pp_rank = pp_mesh.get_local_rank()
     stage_ids = stage_ids_for_rank(pp_rank, dims.pp, virtual, cfg.pp_schedule)
-    modules = []
+    from densetrain.optim.clipping import mark_counted_elsewhere
+
+    modules, tied_weights = [], []
     for stage_id in stage_ids:
-        module = split_stage(model_factory(), stage_id, sizes)
+        module = model_factory()
+        tied = bool(module.config.tie_embeddings)
+        if tied:
+            require(("pp_tied_without_zbv",), SimpleNamespace(pp=dims.pp,
+                                                              pp_schedule=cfg.pp_schedule),
+                    module.config)
+        module = split_stage(module, stage_id, sizes)
         module = parallelize(module, pmesh, cfg, gather_dtype=gather_dtype)
         if stage_id == num_stages - 1:
             module.register_forward_hook(_plain_tuple_output)
         with materialize():
             module.to_empty(device=device)
             init_weights(module, init_seed)
+        if tied and stage_id in (0, num_stages - 1):
+            weight = module.tok_embeddings.weight
+            tied_weights.append(weight)
+            if stage_id != 0:
+                mark_counted_elsewhere(weight)
         modules.append(module)
+    tied_group = tied_embedding_group(pmesh) if modules[0].config.tie_embeddings else None
     microbatches = cfg.num_microbatches
     schedule = make_schedule(modules, stage_ids, num_stages, pmesh, cfg, stage_loss,
                              microbatches=microbatches, device=device)
     return Pipeline(schedule=schedule, modules=modules, stage_ids=stage_ids, num_stages=num_stages,
                     num_microbatches=microbatches, loss_fn=stage_loss,
-                    loss_chunk_size=loss_chunk_size)
+                    loss_chunk_size=loss_chunk_size, tied_weights=tied_weights,
+                    tied_group=tied_group)
 
 
 def make_schedule(modules: list[nn.Module], stage_ids: list[int], num_stages: int,

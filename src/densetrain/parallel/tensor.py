@@ -189,7 +189,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool)
     seq_layout = Shard(1) if sequence_parallel else Replicate()
     top_plan: dict = {}
     if model.tok_embeddings is not None:
-        # With tied embeddings this weight is also the output head's (`Transformer.output_weight`).
+        # With tied embeddings this weight is also the output head's (`Transformer.output_weight`);
+        # the last pipeline stage of a tied model holds it for the head only (never called), in
+        # the same vocab-parallel layout as the first stage's copy.
         top_plan["tok_embeddings"] = RowwiseParallel(
             input_layouts=Replicate(), output_layouts=seq_layout
         )
@@ -266,7 +268,7 @@ def vocab_parallel_loss_head(
 def _add_stage_io_hooks(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
     """Make the model's inputs and outputs plain full tensors on every tp rank.
 
-    A pipeline stage without ``tok_embeddings`` receives full hidden states; with sequence
+    A pipeline stage after the first receives full hidden states; with sequence
     parallel the residual stream is sharded over the sequence, so the input is sliced at the
     first block (the stage computes positions from the full input). Outputs that are DTensors
     (logits) or sequence shards (hidden states of a non-last stage) are gathered.
@@ -284,7 +286,7 @@ def _add_stage_io_hooks(model: nn.Module, tp_mesh, sequence_parallel: bool) -> N
             return shard.full_tensor()
         return output
 
-    if model.tok_embeddings is None and sequence_parallel:
+    if not model.takes_tokens() and sequence_parallel:
         first_block = next(iter(model.layers.values()))
         first_block.register_forward_pre_hook(slice_input, with_kwargs=True)
     model.register_forward_hook(gather_output, with_kwargs=True)

@@ -227,7 +227,7 @@ def _stage(cfg: ModelConfig, keep_layers: set[str], first: bool, last: bool) -> 
 
 
 def test_pipeline_stages_compose_to_the_full_model():
-    cfg = tiny(num_layers=4, tie_embeddings=False)  # pipeline stages need untied embeddings
+    cfg = tiny(num_layers=4, tie_embeddings=False)
     full = Transformer(cfg).eval()
     full.init_weights(seed=5)
     first = _stage(cfg, {"0", "1"}, first=True, last=False).eval()

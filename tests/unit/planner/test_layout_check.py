@@ -83,7 +83,8 @@ CASES = [
      {}, dict(batch=5), "multiple of the rounds"),
     ("pp_needs_zero3", dict(pp=2, zero_stage=2), {}, {}, "zero_stage=3 (FSDP) only"),
     ("pp_without_compile", dict(pp=2), {}, dict(compile=True), "training.compile"),
-    ("pp_untied_embeddings", dict(pp=2), dict(tie_embeddings=True), {}, "untied embeddings"),
+    ("pp_tied_without_zbv", dict(pp=2, pp_schedule="zbv", pp_virtual_stages=2),
+     dict(tie_embeddings=True), {}, "V schedule holds the first and last stage"),
     ("pp_plain_causal", dict(pp=2), {}, dict(document_masking=True), "document_masking"),
     ("pp_constant_batch", dict(pp=2), {}, dict(batch_ramp=True), "needs a constant batch"),
 ]
@@ -127,11 +128,12 @@ def test_runnable_layouts_pass(par):
 ])
 def test_tensor_parallel_runs_gpt_architecture(par):
     """GPT-2/GPT-3: tied embeddings and learned positions under TP (with or without SP and
-    FSDP); pipeline parallel still needs untied embeddings."""
+    FSDP), and with pipeline parallel (not the zbv schedule)."""
     gpt = model(num_kv_heads=4, position_embedding="learned", tie_embeddings=True,
                 norm_type="layernorm", norm_bias=True, activation="gelu_tanh")
     assert reasons(layout(**par), gpt) == []
-    refused = reasons(layout(pp=2, tp=2), gpt)
+    assert reasons(layout(pp=2, tp=2), gpt) == []
+    refused = reasons(layout(pp=2, tp=2, pp_schedule="zbv", pp_virtual_stages=2), gpt)
     assert len(refused) == 1 and "untied embeddings" in refused[0]
 
 
