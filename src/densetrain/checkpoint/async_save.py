@@ -15,6 +15,7 @@ were.
 The background collectives (DCP's plan/finish and the seal) run on a dedicated gloo group, never
 on the training group, so they cannot interleave with the training collectives. With
 ``async_save=False`` the same object saves synchronously, so the caller has one interface.
+Under a URL (``s3://...``, objstore.py) saves are synchronous whatever ``async_save`` says.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from densetrain.checkpoint import collective
+from densetrain.checkpoint import collective, objstore
 from densetrain.checkpoint.manager import CheckpointError, checkpoint_name, materialise
 from densetrain.checkpoint.saving import (
     begin_save,
@@ -64,14 +65,16 @@ class AsyncCheckpointer:
 
     def __init__(self, directory: str | os.PathLike, *, config_toml: str | None,
                  keep_last: int, async_save: bool = True, timeout_s: float = 600.0) -> None:
-        self.root = Path(directory)
+        self.remote = objstore.is_remote(directory)
+        self.root: Any = str(directory).rstrip("/") if self.remote else Path(directory)
         self.config_toml = config_toml
         self.keep_last = keep_last
-        self.async_save = async_save
+        self.async_save = async_save and not self.remote
+        async_save = self.async_save
         self.group = collective.new_cpu_group(timeout_s) if async_save else None
         self._executor = ThreadPoolExecutor(1, "checkpoint-seal") if async_save else None
         self._pending: Future | None = None
-        self.last_path: Path | None = None
+        self.last_path: Any = None
         self.stall_seconds: list[float] = []
 
     def save(self, step: int, state: Mapping[str, Any]) -> None:
@@ -79,10 +82,15 @@ class AsyncCheckpointer:
         once the state is staged; a failure of the previous save is raised here."""
         start = time.perf_counter()
         self.wait()
-        if self.last_path is not None and self.last_path.name == checkpoint_name(step):
+        if self.last_path is not None and Path(self.last_path).name == checkpoint_name(step):
             return
         tree = materialise(state)
         check_finite(tree, "model", step)
+        if self.remote:
+            self.last_path = objstore.save(self.root, step, tree, config_toml=self.config_toml,
+                                           keep_last=self.keep_last)
+            self.stall_seconds.append(time.perf_counter() - start)
+            return
         tmp = begin_save(self.root, step)
         if tmp is None:
             self.last_path = self.root / checkpoint_name(step)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from densetrain.checkpoint import collective
+from densetrain.checkpoint import collective, objstore
 from densetrain.checkpoint.manifest import (
     MANIFEST_FILE,
     Damage,
@@ -85,12 +85,17 @@ def checkpoint_step(path: str | os.PathLike) -> int | None:
 def is_complete(path: str | os.PathLike) -> bool:
     """True when ``path`` is a finished checkpoint (its manifest is present; see
     `verify_checkpoint` for whether the files match it)."""
+    if objstore.is_remote(path):
+        return objstore.has_manifest(str(path))
     return (Path(path) / COMPLETE_MARKER).is_file()
 
 
 def checkpoint_dirs(directory: str | os.PathLike) -> list[tuple[int, Path]]:
     """Every ``step-N`` directory under ``directory`` as ``(step, path)``, oldest first,
-    complete or not: the candidates a resume verifies (``.tmp`` and set-aside ones excluded)."""
+    complete or not: the candidates a resume verifies (``.tmp`` and set-aside ones excluded).
+    Under a URL (objstore.py) the paths are URL strings."""
+    if objstore.is_remote(directory):
+        return objstore.checkpoint_dirs(str(directory))
     root = Path(directory)
     if not root.is_dir():
         return []
@@ -104,6 +109,8 @@ def checkpoint_dirs(directory: str | os.PathLike) -> list[tuple[int, Path]]:
 
 def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
     """Complete checkpoints under ``directory`` as ``(step, path)``, oldest first."""
+    if objstore.is_remote(directory):
+        return objstore.list_checkpoints(str(directory))
     return [(step, path) for step, path in checkpoint_dirs(directory) if is_complete(path)]
 
 
@@ -139,6 +146,8 @@ def prune_checkpoints(directory: str | os.PathLike, keep_last: int) -> list[Path
     """Delete all but the newest ``keep_last`` complete checkpoints; return the deleted paths."""
     if keep_last <= 0:
         raise ValueError(f"checkpoint.keep_last must be >= 1 to prune, got {keep_last}")
+    if objstore.is_remote(directory):
+        return objstore.prune(str(directory), keep_last)
     doomed = [path for _, path in list_checkpoints(directory)[:-keep_last]]
     for path in doomed:
         # Remove the manifest first so a half-deleted directory is never taken as complete.
@@ -164,8 +173,13 @@ def verify_checkpoint(path: str | os.PathLike, group: Any = None) -> list[Damage
     """What is wrong with checkpoint ``path`` against its manifest; empty when it verifies.
 
     Collective over ``group``: every rank checks the sizes and streams its share of the files
-    through SHA-256, and every rank returns the same list.
+    through SHA-256, and every rank returns the same list. Under a URL rank 0 reads every
+    object back and the others take its answer.
     """
+    if objstore.is_remote(path):
+        local = ([(d.file, d.problem) for d in objstore.verify(str(path))]
+                 if collective.rank() == 0 else None)
+        return [Damage(file=f, problem=p) for f, p in collective.gather_all(local, group)[0]]
     path = Path(path)
     manifest, unreadable = read_manifest(path)
     if unreadable is not None:
@@ -182,6 +196,11 @@ def verify_checkpoint(path: str | os.PathLike, group: Any = None) -> list[Damage
 
 def read_checkpoint_config(path: str | os.PathLike) -> str:
     """The resolved job config TOML stored in checkpoint ``path``."""
+    if objstore.is_remote(path):
+        text = objstore.read_text(str(path), CONFIG_FILE)
+        if text is None:
+            raise CheckpointError(f"checkpoint {path} has no {CONFIG_FILE}")
+        return text
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
         raise CheckpointError(f"checkpoint {path} has no {CONFIG_FILE}")
@@ -229,7 +248,7 @@ def load_checkpoint(
     checkpoint just verified. Every tensor's shape is checked against the checkpoint metadata
     next; a mismatch raises `CheckpointShapeError` naming the tensor before any value changes.
     """
-    path = Path(path)
+    path = str(path) if objstore.is_remote(path) else Path(path)
     if not is_complete(path):
         raise CheckpointError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER})")
     if verify:

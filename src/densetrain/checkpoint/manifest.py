@@ -103,8 +103,17 @@ def read_manifest(checkpoint: Path) -> tuple[dict[str, Any] | None, Damage | Non
         return None, Damage(file=MANIFEST_FILE, problem="missing (the checkpoint cannot be "
                             "verified: it was emptied, or written before manifests existed)")
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        return None, Damage(file=MANIFEST_FILE, problem=f"unreadable ({err})")
+    return parse_manifest(text)
+
+
+def parse_manifest(text: str) -> tuple[dict[str, Any] | None, Damage | None]:
+    """The manifest in ``text``, or the damage that keeps it from being one."""
+    try:
+        manifest = json.loads(text)
+    except json.JSONDecodeError as err:
         return None, Damage(file=MANIFEST_FILE, problem=f"unreadable ({err})")
     problem = _schema_problem(manifest)
     if problem is not None:

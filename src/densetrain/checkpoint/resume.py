@@ -27,7 +27,7 @@ from typing import Any
 
 import tomllib
 
-from densetrain.checkpoint import collective
+from densetrain.checkpoint import collective, objstore
 from densetrain.checkpoint.manager import (
     CONFIG_FILE,
     CheckpointError,
@@ -97,6 +97,8 @@ def append_history(run_dir: str | os.PathLike, event: dict[str, Any]) -> None:
 def damaged_checkpoints(checkpoint_dir: str | os.PathLike) -> list[Path]:
     """The checkpoints set aside as damaged under ``checkpoint_dir`` (``step-N.damaged``), by
     name."""
+    if objstore.is_remote(checkpoint_dir):
+        return []  # nothing is renamed on an object store (objstore.py)
     root = Path(checkpoint_dir)
     if not root.is_dir():
         return []
@@ -112,8 +114,11 @@ def select_resume_checkpoint(checkpoint_dir: str | os.PathLike, *,
     Collective over ``group`` (every rank gets the same answer). Each damaged checkpoint is
     reported on stderr, renamed to ``<name>.damaged`` by rank 0 and noted in the run history.
     When none verifies but there were some (damaged now, or set aside before),
-    `NoVerifiedCheckpointError` names each: the run is not silently started over.
+    `NoVerifiedCheckpointError` names each: the run is not silently started over. Under a URL
+    (objstore.py) nothing can be renamed: a damaged or partial ``step-N`` prefix is named and
+    skipped, and left in place.
     """
+    remote = objstore.is_remote(checkpoint_dir)
     earlier = damaged_checkpoints(checkpoint_dir)  # every rank, before rank 0 renames any
     candidates = list(reversed(checkpoint_dirs(checkpoint_dir)))
     moved_now: list[str] = []
@@ -121,7 +126,14 @@ def select_resume_checkpoint(checkpoint_dir: str | os.PathLike, *,
         damage = verify_checkpoint(path, group)
         if not damage:
             return path
-        if collective.rank() == 0:
+        if remote:
+            objstore.report_skipped(str(path), damage, index + 1 < len(candidates))
+            moved_now.append("")
+            if run_dir is not None:
+                append_history(run_dir, {"event": "checkpoint_skipped", "step": step,
+                                         "checkpoint": str(path),
+                                         "damage": [str(d) for d in damage]})
+        elif collective.rank() == 0:
             moved = set_aside(path, DAMAGED)
             moved_now.append(moved.name)
             details = "; ".join(map(str, damage))
@@ -135,16 +147,17 @@ def select_resume_checkpoint(checkpoint_dir: str | os.PathLike, *,
                                          "damage": [str(d) for d in damage]})
         collective.barrier(group)
     if candidates or earlier:
-        raise NoVerifiedCheckpointError(_none_verifies(Path(checkpoint_dir), candidates,
+        root = str(checkpoint_dir) if remote else Path(checkpoint_dir)
+        raise NoVerifiedCheckpointError(_none_verifies(root, candidates,
                                                        moved_now, earlier))
     return None
 
 
-def _none_verifies(root: Path, candidates: list[tuple[int, Path]], moved_now: list[str],
+def _none_verifies(root: Path | str, candidates: list[tuple[int, Path]], moved_now: list[str],
                    earlier: list[Path]) -> str:
     """The refusal of a resume whose every checkpoint is damaged: which, and what to do."""
     if candidates:
-        names = ", ".join(f"{path.name} (now {new})" if new else path.name
+        names = ", ".join(f"{Path(path).name} (now {new})" if new else Path(path).name
                           for (_, path), new in zip(candidates, moved_now or [""] * len(candidates),
                                                     strict=True))
         what = f"every checkpoint in {root} is damaged: {names}"
@@ -203,7 +216,7 @@ def config_changes(saved_toml: str, current_toml: str,
             for n in names if saved.get(n) != current.get(n)]
 
 
-def check_resume_config(checkpoint: Path, current_toml: str, *, allow_change: bool,
+def check_resume_config(checkpoint: Path | str, current_toml: str, *, allow_change: bool,
                         run_dir: str | os.PathLike, vocab_size: int | None = None
                         ) -> list[FieldChange]:
     """Refuse to resume ``checkpoint`` when the run changes its model or data order.
@@ -211,12 +224,16 @@ def check_resume_config(checkpoint: Path, current_toml: str, *, allow_change: bo
     Raises `ConfigChangeError` naming every changed field with old and new value, unless
     ``allow_change``; then the changes are appended to the run history and returned.
     """
-    saved_path = checkpoint / CONFIG_FILE
-    if not saved_path.is_file():
+    if objstore.is_remote(checkpoint):
+        saved_path: Any = objstore.join(str(checkpoint), CONFIG_FILE)
+        saved = objstore.read_text(str(checkpoint), CONFIG_FILE)
+    else:
+        saved_path = Path(checkpoint) / CONFIG_FILE
+        saved = saved_path.read_text(encoding="utf-8") if saved_path.is_file() else None
+    if saved is None:
         return []
     try:
-        changes = config_changes(saved_path.read_text(encoding="utf-8"), current_toml,
-                                 vocab_size)
+        changes = config_changes(saved, current_toml, vocab_size)
     except (ValueError, tomllib.TOMLDecodeError) as err:
         if allow_change:
             return []

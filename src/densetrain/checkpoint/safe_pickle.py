@@ -101,8 +101,35 @@ def unpickle_dcp_metadata(path: str | os.PathLike) -> Metadata:
     return metadata
 
 
+def _unpickle_remote(url: str) -> Metadata:
+    """`unpickle_dcp_metadata` of the object at fsspec ``url``."""
+    from densetrain.checkpoint.objstore import open_stream
+
+    try:
+        stream = open_stream(url)
+    except FileNotFoundError:
+        raise DamagedFileError(f"{url} is missing: the checkpoint is incomplete or damaged"
+                               ) from None
+    with stream:
+        try:
+            metadata = RestrictedUnpickler(io.BytesIO(stream.read()), source=url).load()
+        except UnsafeFileError:
+            raise
+        except Exception as error:
+            raise DamagedFileError(f"{url} cannot be read as checkpoint metadata "
+                                   f"({type(error).__name__}); the object is damaged") from error
+    if not isinstance(metadata, Metadata):
+        raise DamagedFileError(f"{url} holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
 def read_dcp_metadata(checkpoint: str | os.PathLike) -> Metadata:
-    """The ``Metadata`` of DCP checkpoint directory ``checkpoint`` (restricted unpickling)."""
+    """The ``Metadata`` of DCP checkpoint directory ``checkpoint`` (restricted unpickling); a
+    ``scheme://`` URL is read through fsspec."""
+    from densetrain.checkpoint.objstore import is_remote, join
+
+    if is_remote(checkpoint):
+        return _unpickle_remote(join(str(checkpoint), METADATA_FILE))
     return unpickle_dcp_metadata(Path(checkpoint) / METADATA_FILE)
 
 
@@ -118,6 +145,23 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _safe_fsspec_reader(url: str) -> Any:
+    """DCP's ``FsspecReader`` for ``url`` whose ``read_metadata`` uses `RestrictedUnpickler`."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    class SafeFsspecReader(FsspecReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            rank = kwargs.get("rank")
+            name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
+            metadata = _unpickle_remote(f"{str(self.path).rstrip('/')}/{name}")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFsspecReader(url)
 
 
 def _first_reason(error: pickle.UnpicklingError) -> str:
@@ -155,13 +199,16 @@ def safe_dcp_load(state_dict: dict[str, Any], checkpoint: str | os.PathLike) -> 
     """
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from densetrain.checkpoint.objstore import is_remote
+
     no_dist = not (dist.is_available() and dist.is_initialized())
     read_dcp_metadata(checkpoint)  # its own errors first (DCP folds them into an assertion)
     try:
         quiet_single_process_notice()
         dcp.load(
             state_dict,
-            storage_reader=SafeFileSystemReader(str(checkpoint)),
+            storage_reader=(_safe_fsspec_reader(str(checkpoint)) if is_remote(checkpoint)
+                            else SafeFileSystemReader(str(checkpoint))),
             planner=SafeLoadPlanner(),
             no_dist=no_dist,
         )

@@ -54,13 +54,16 @@ def check_job_inputs(job) -> None:
     a ``run_dir`` or checkpoint directory (``checkpoint.dir``, by default
     ``<run_dir>/checkpoints``) that is a file or cannot be written, a tokenizer whose
     vocabulary exceeds the model's."""
+    from densetrain.checkpoint.objstore import check_reachable, checkpoint_location, is_remote
     from densetrain.config.run_dir import check_writable_dir
     from densetrain.data.checks import check_tokenizer_fits_model, data_vocabulary
     from densetrain.errors import UserError
 
     check_writable_dir(job.logging.run_dir, field_name="logging.run_dir")
-    if job.checkpoint.enabled and job.checkpoint.dir:
-        check_writable_dir(job.checkpoint.dir, field_name="checkpoint.dir")
+    if job.checkpoint.enabled and is_remote(job.checkpoint.dir):
+        check_reachable(job.checkpoint.dir)  # the bucket exists: named before any work
+    elif job.checkpoint.enabled and job.checkpoint.dir:
+        check_writable_dir(checkpoint_location(job.checkpoint.dir), field_name="checkpoint.dir")
     elif job.checkpoint.enabled:
         default = os.path.join(job.logging.run_dir, "checkpoints")
         if os.path.lexists(default) and not os.path.isdir(default):

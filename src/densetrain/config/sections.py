@@ -89,7 +89,11 @@ class CheckpointConfig:
 
     Attributes:
         enabled: write checkpoints at all.
-        dir: checkpoint directory; empty = ``<logging.run_dir>/checkpoints``.
+        dir: checkpoint directory; empty = ``<logging.run_dir>/checkpoints``. May be an fsspec
+            URL: ``s3://bucket/prefix`` (needs ``pip install 'densetrain[s3]'``; credentials and
+            endpoint from the standard AWS variables, docs/reliability.md) or ``file:///path``.
+            On a URL saves are synchronous and a ``step-N`` prefix counts only once its
+            manifest, written last, exists and verifies.
         interval: save every this many steps.
         keep_last: keep this many most recent checkpoints; 0 keeps all.
         resume: resume from the newest checkpoint in ``dir`` whose manifest verifies (a damaged
@@ -125,6 +129,11 @@ class CheckpointConfig:
         _int_at_least("checkpoint.interval", self.interval, 1)
         _int_at_least("checkpoint.keep_last", self.keep_last, 0)
         _choice("checkpoint.on_save_error", self.on_save_error, SAVE_ERROR_ACTIONS)
+        from densetrain.checkpoint.objstore import url_problem
+
+        problem = url_problem("checkpoint.dir", self.dir)
+        if problem is not None:
+            raise ValueError(problem)
         if not (isinstance(self.preemption_grace_s, (int, float))
                 and math.isfinite(self.preemption_grace_s) and self.preemption_grace_s > 0):
             raise ValueError(

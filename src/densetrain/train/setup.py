@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from densetrain.checkpoint import CheckpointError, ModelState, TrainerCounters, load_checkpoint
+from densetrain.checkpoint.objstore import check_reachable, checkpoint_location, is_remote
 from densetrain.config.job import JobConfig
 from densetrain.errors import DamagedFileError, UserError, describe_error
 from densetrain.models.config import ModelConfig
@@ -192,6 +193,8 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
                         float8_emulation_warning(device, training.dtype)):
             if warning is not None:
                 print(warning, file=sys.stderr, flush=True)
+    if job.checkpoint.enabled and is_remote(job.checkpoint.dir):
+        check_reachable(job.checkpoint.dir)  # a missing bucket is named before any step
     parts = RunParts(
         model=model, model_cfg=model_cfg, optimizer=optimizer,
         scheduler=build_lr_scheduler(optimizer.torch_optimizer, job.schedule, training.steps),
@@ -200,7 +203,8 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
         training=training,
         seq_len=job.data.seq_len,
         grad_clip=job.optim.grad_clip, rank=rank, world_size=world_size, run_dir=run_dir,
-        checkpoint_dir=Path(job.checkpoint.dir) if job.checkpoint.dir else run_dir / "checkpoints",
+        checkpoint_dir=(checkpoint_location(job.checkpoint.dir) if job.checkpoint.dir
+                        else run_dir / "checkpoints"),
         config_toml=config_toml,
         sizes=ModelSizes(params=counts.total, non_embedding_params=counts.non_embedding,
                          flops_per_token=flops_per_token_palm(model_cfg, job.data.seq_len)),

@@ -63,7 +63,8 @@ class RunParts:
     rank: int
     world_size: int
     run_dir: Path
-    checkpoint_dir: Path
+    checkpoint_dir: Path | str
+    """A local directory, or a ``scheme://`` URL string (checkpoint/objstore.py)."""
     config_toml: str
     sizes: ModelSizes
     peak: RunPeak

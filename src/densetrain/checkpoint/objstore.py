@@ -1,0 +1,338 @@
+"""Checkpoints under an fsspec URL (``s3://bucket/prefix``): no rename, so the manifest is last.
+
+``checkpoint.dir`` may be a URL. ``file://PATH`` is the local directory PATH (the local code,
+with its ``.tmp`` rename). Any other scheme goes through fsspec: the DCP shards are written by
+DCP's own fsspec storage (``FsspecWriter`` / ``FsspecReader``) straight under the final prefix
+``<dir>/step-N/``, then ``config.toml``, then ``manifest.json`` (size and SHA-256 of every file,
+hashed by reading the uploaded objects back). An object store has no atomic rename, so a prefix
+is a checkpoint only when its manifest exists and verifies; one without a manifest, or whose
+files do not match it, is partial: resume names it and skips it, listing and pruning leave it.
+A save of step N over a partial ``step-N`` prefix removes the manifest first, then the rest.
+
+Credentials and the endpoint come from the storage library's own settings: for S3 the standard
+AWS variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``,
+``AWS_DEFAULT_REGION``) or ``~/.aws/config`` profiles, as every boto-based tool reads them.
+Saves to a URL are synchronous for now (``checkpoint.async_save`` applies to local disks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import posixpath
+import re
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+
+from densetrain.checkpoint import collective
+from densetrain.checkpoint.manifest import (
+    MANIFEST_FILE,
+    Damage,
+    FileDigest,
+    manifest_text,
+    parse_manifest,
+    sha256_text,
+)
+from densetrain.errors import UserError
+
+_URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+_CHUNK = 8 << 20
+CONFIG_FILE = "config.toml"
+EXTRA_HINT = "pip install 'densetrain[s3]'"
+
+
+class ObjectStoreError(UserError):
+    """A checkpoint URL cannot be used (missing package, missing bucket, refused access)."""
+
+
+def url_scheme(value: Any) -> str | None:
+    """The scheme of ``value`` when it is a ``scheme://...`` string, else None."""
+    match = _URL_RE.match(value) if isinstance(value, str) else None
+    return match.group(1).lower() if match else None
+
+
+def is_remote(value: Any) -> bool:
+    """True for a URL handled through fsspec (any scheme but ``file``)."""
+    scheme = url_scheme(value)
+    return scheme is not None and scheme != "file"
+
+
+def checkpoint_location(value: str) -> Any:
+    """``checkpoint.dir`` as the code takes it: a local ``Path`` (``file://`` stripped) or the
+    URL string without a trailing slash."""
+    from pathlib import Path
+
+    if url_scheme(value) == "file":
+        return Path(_URL_RE.match(value).group(2))
+    if is_remote(value):
+        return value.rstrip("/")
+    return Path(value)
+
+
+def url_problem(field: str, value: str) -> str | None:
+    """Why ``value`` cannot be a checkpoint URL (one line naming ``field``), or None. Imports
+    the scheme's filesystem package; touches no server."""
+    scheme = url_scheme(value)
+    if scheme is None:
+        return None
+    rest = _URL_RE.match(value).group(2)
+    if scheme == "file":
+        if not rest.startswith("/"):
+            return f"{field}={value!r}: a file:// URL needs an absolute path (file:///abs/dir)"
+        return None
+    if not rest.split("/", 1)[0]:
+        return f"{field}={value!r} names no bucket (expected {scheme}://BUCKET/PREFIX)"
+    try:
+        import fsspec
+
+        fsspec.get_filesystem_class(scheme)
+    except ImportError as err:
+        return (f"{field}={value!r} needs the {scheme}:// filesystem package, which is not "
+                f"installed ({err.name or err}): {EXTRA_HINT}")
+    except ValueError:
+        return f"{field}={value!r}: fsspec knows no filesystem for the scheme {scheme}://"
+    return None
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """The fsspec filesystem of ``url`` and the path inside it."""
+    import fsspec
+
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as err:
+        raise ObjectStoreError(f"checkpoint.dir {url} needs a package that is not installed "
+                               f"({err.name or err}): {EXTRA_HINT}") from None
+
+
+def check_reachable(url: str) -> None:
+    """Raise `ObjectStoreError` naming ``url`` when its bucket does not exist or cannot be
+    reached (wrong endpoint, no credentials); nothing is written."""
+    fs, path = filesystem(url)
+    bucket = path.split("/", 1)[0]
+    try:
+        found = fs.exists(bucket)
+    except Exception as err:  # botocore/aiohttp raise many types for a refused request
+        raise ObjectStoreError(f"checkpoint.dir {url} cannot be reached ({type(err).__name__}: "
+                               f"{err}); check the endpoint (AWS_ENDPOINT_URL) and "
+                               "credentials") from None
+    if not found:
+        raise ObjectStoreError(f"checkpoint.dir {url}: the bucket {bucket!r} does not exist "
+                               "(or these credentials cannot see it); create it first")
+
+
+def join(url: str, name: str) -> str:
+    """``url/name``."""
+    return f"{url.rstrip('/')}/{name}"
+
+
+def basename(url: str) -> str:
+    """The last part of ``url`` (``step-N``)."""
+    return posixpath.basename(url.rstrip("/"))
+
+
+def _listing(url: str) -> list[dict[str, Any]]:
+    fs, path = filesystem(url)
+    fs.invalidate_cache()  # another process (or this one, just before) may have written
+    try:
+        return fs.ls(path, detail=True)
+    except FileNotFoundError:
+        return []
+
+
+def checkpoint_dirs(url: str) -> list[tuple[int, str]]:
+    """Every ``step-N`` prefix under ``url`` as ``(step, url)``, oldest first, with a manifest
+    or not."""
+    found = []
+    for entry in _listing(url):
+        name = posixpath.basename(entry["name"].rstrip("/"))
+        match = _STEP_RE.match(name)
+        if match and entry.get("type") == "directory":
+            found.append((int(match.group(1)), join(url, name)))
+    return sorted(found)
+
+
+def _files(checkpoint: str) -> dict[str, int]:
+    """Name -> size of the objects directly under ``checkpoint``."""
+    return {posixpath.basename(e["name"]): int(e.get("size") or 0)
+            for e in _listing(checkpoint) if e.get("type") == "file"}
+
+
+def has_manifest(checkpoint: str) -> bool:
+    """True when ``checkpoint`` holds a manifest object (see `verify` for whether it holds)."""
+    return MANIFEST_FILE in _files(checkpoint)
+
+
+def list_checkpoints(url: str) -> list[tuple[int, str]]:
+    """The ``step-N`` prefixes under ``url`` that hold a manifest, oldest first."""
+    return [(s, c) for s, c in checkpoint_dirs(url) if has_manifest(c)]
+
+
+def read_text(checkpoint: str, name: str) -> str | None:
+    """The UTF-8 text of ``checkpoint/name``, or None when there is no such object."""
+    fs, path = filesystem(join(checkpoint, name))
+    try:
+        return fs.cat_file(path).decode("utf-8")
+    except FileNotFoundError:
+        return None
+
+
+def _digest(checkpoint: str, name: str) -> FileDigest:
+    fs, path = filesystem(join(checkpoint, name))
+    digest, size = hashlib.sha256(), 0
+    with fs.open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return FileDigest(name=name, size=size, sha256=digest.hexdigest())
+
+
+def _read_manifest(checkpoint: str) -> tuple[dict[str, Any] | None, Damage | None]:
+    try:
+        text = read_text(checkpoint, MANIFEST_FILE)
+    except UnicodeDecodeError as err:
+        return None, Damage(file=MANIFEST_FILE, problem=f"unreadable ({err})")
+    if text is None:
+        return None, Damage(file=MANIFEST_FILE, problem="missing (a save that did not finish, "
+                            "or objects deleted since)")
+    return parse_manifest(text)
+
+
+def verify(checkpoint: str) -> list[Damage]:
+    """What is wrong with ``checkpoint`` against its manifest: missing, extra or resized
+    objects, then every object's SHA-256 (read back). Empty when it verifies."""
+    manifest, unreadable = _read_manifest(checkpoint)
+    if unreadable is not None:
+        return [unreadable]
+    return _size_damage(checkpoint, manifest) or _hash_damage(checkpoint, manifest)
+
+
+def _size_damage(checkpoint: str, manifest: dict[str, Any]) -> list[Damage]:
+    present = _files(checkpoint)
+    listed = manifest["files"]
+    damage = []
+    for name, entry in sorted(listed.items()):
+        if name not in present:
+            damage.append(Damage(file=name, problem="missing"))
+        elif present[name] != entry["bytes"]:
+            damage.append(Damage(file=name, problem=f"{present[name]} bytes, the manifest says "
+                                 f"{entry['bytes']} (truncated or overwritten)"))
+    damage += [Damage(file=n, problem="not listed in the manifest")
+               for n in sorted(present) if n not in listed and n != MANIFEST_FILE]
+    return damage
+
+
+def _hash_damage(checkpoint: str, manifest: dict[str, Any]) -> list[Damage]:
+    damage = []
+    for name, entry in sorted(manifest["files"].items()):
+        try:
+            digest = _digest(checkpoint, name)
+        except OSError as err:
+            damage.append(Damage(file=name, problem=f"unreadable ({err})"))
+            continue
+        if digest.sha256 != entry["sha256"]:
+            damage.append(Damage(file=name, problem=f"SHA-256 {digest.sha256[:16]}... differs "
+                                 f"from the manifest's {entry['sha256'][:16]}..."))
+    return damage
+
+
+def _remove(checkpoint: str) -> None:
+    """Delete ``checkpoint``: its manifest first, so that a half-deleted prefix is never taken
+    as complete."""
+    fs, path = filesystem(checkpoint)
+    fs.invalidate_cache()
+    try:
+        fs.rm_file(f"{path}/{MANIFEST_FILE}")
+    except FileNotFoundError:
+        pass
+    try:
+        fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        pass
+
+
+def prune(url: str, keep_last: int) -> list[str]:
+    """Delete all but the newest ``keep_last`` checkpoints with a manifest; return them."""
+    doomed = [c for _, c in list_checkpoints(url)[:-keep_last]]
+    for checkpoint in doomed:
+        _remove(checkpoint)
+    return doomed
+
+
+def _describe(err: BaseException, url: str, step: int) -> str:
+    from densetrain.checkpoint.saving import _errors_in
+
+    inner = next((e for e in reversed(_errors_in(err)) if not e.__class__.__name__.startswith(
+        "CheckpointException")), err)
+    return (f"saving checkpoint step {step} to {url} failed ({type(inner).__name__}: {inner}); "
+            "the step-N prefix holds no manifest, so it is never taken as a checkpoint, and "
+            "earlier checkpoints are untouched")
+
+
+def save(url: str, step: int, tree: Mapping[str, Any], *, config_toml: str | None,
+         keep_last: int) -> str:
+    """Write ``tree`` as ``url/step-N`` (collective): shards, config, then the manifest.
+    Returns the checkpoint URL. A ``step-N`` whose manifest exists and whose objects have the
+    listed sizes is kept as it is (the same step saved twice)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    from densetrain.checkpoint.manager import CheckpointError
+
+    final = join(url, f"step-{step:08d}")
+    failure = None
+    skip = False
+    if collective.rank() == 0:
+        try:
+            manifest, unreadable = _read_manifest(final)
+            skip = unreadable is None and not _size_damage(final, manifest)
+            if not skip:
+                _remove(final)
+        except Exception as err:
+            failure = _describe(err, final, step)
+    failure = collective.first_error(failure)
+    if failure:
+        raise CheckpointError(failure)
+    if collective.gather_all(skip)[0]:
+        return final
+    try:
+        collective.quiet_single_process_notice()
+        dcp.save(tree, storage_writer=FsspecWriter(final), no_dist=not collective.dist_on())
+    except BaseException as err:
+        raise CheckpointError(_describe(err, final, step)) from err
+    if collective.rank() == 0:
+        try:
+            fs, path = filesystem(final)
+            if config_toml is not None:
+                fs.pipe_file(f"{path}/{CONFIG_FILE}", config_toml.encode("utf-8"))
+            digests = [_digest(final, name) for name in sorted(_files(final))
+                       if name != MANIFEST_FILE]
+            text = manifest_text(digests, step=step,
+                                 config_sha256=sha256_text(config_toml or ""))
+            fs.pipe_file(f"{path}/{MANIFEST_FILE}", text.encode("utf-8"))  # last
+            if keep_last > 0:
+                prune(url, keep_last)
+        except Exception as err:
+            failure = _describe(err, final, step)
+    failure = collective.first_error(failure)
+    if failure:
+        raise CheckpointError(failure)
+    return final
+
+
+def report_skipped(checkpoint: str, damage: list[Damage], more: bool) -> None:
+    """Name a checkpoint a resume passes over (rank 0, stderr)."""
+    if collective.rank() == 0:
+        after = "trying the previous one" if more else "no older checkpoint is left"
+        print(f"checkpoint {checkpoint} is damaged or partial ({'; '.join(map(str, damage))}); "
+              f"skipped (left in place), {after}", file=sys.stderr)
+
+
+def open_stream(url: str) -> io.IOBase:
+    """A binary read stream of the object at ``url``."""
+    fs, path = filesystem(url)
+    return fs.open(path, "rb")
+
