@@ -257,6 +257,8 @@ def load_checkpoint(
             raise CheckpointDamagedError(path, damage)
     stored = read_dcp_metadata(path).state_dict_metadata
     for key, value in state.items():
+        if hasattr(value, "use_checkpoint_layout"):  # an entry whose layout has changed
+            value.use_checkpoint_layout(key, set(stored))
         if isinstance(value, RNGState):
             prefix = f"{key}.rank"
             value.available_ranks = {

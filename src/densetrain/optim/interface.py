@@ -164,14 +164,33 @@ class StandardOptimizer(TrainingOptimizer):
         self._grad_scale = None
         super().zero_grad()
 
+    # The state and the param groups' settings keyed by parameter name
+    # (``param_groups.<name>.lr``), not by group index: under pipeline parallel every stage has
+    # a group 0 over other parameters, and DCP, which keeps one copy of a key that every rank
+    # writes, would give every stage the first stage's group (and a stage with no match a group
+    # without its settings).
+    flat_param_groups = True
+
+    def use_checkpoint_layout(self, key: str, stored_keys: set[str]) -> None:
+        """Read a checkpoint written with groups keyed by index (``<key>.param_groups.0.lr``,
+        before they were keyed by name) in that layout."""
+        self.flat_param_groups = f"{key}.param_groups.0.params" not in stored_keys
+
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(flatten_optimizer_state_dict=self.flat_param_groups)
+
     def state_dict(self) -> dict[str, Any]:
         """The state keyed by fully-qualified parameter names (layout-independent)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.model, self.torch_optimizer)
+        return get_optimizer_state_dict(self.model, self.torch_optimizer, options=self._options())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a name-keyed state (resharded to this layout by DCP)."""
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        set_optimizer_state_dict(self.model, self.torch_optimizer, state_dict)
+        set_optimizer_state_dict(self.model, self.torch_optimizer, state_dict,
+                                 options=self._options())
+        self.flat_param_groups = True  # the next save writes the current layout
