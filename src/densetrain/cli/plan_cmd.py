@@ -130,7 +130,7 @@ def _verify(args: argparse.Namespace, result) -> None:
     """Dry-run the winner's job and print predicted against traced, per simulated rank."""
     from pathlib import Path
 
-    from densetrain.dryrun.predict import planner_by_rank
+    from densetrain.dryrun.predict import comm_by_rank, planner_by_rank
     from densetrain.dryrun.report import default_ranks, format_report
     from densetrain.dryrun.run import dry_run_ranks
     from densetrain.planner.emit import plan_job
@@ -145,7 +145,8 @@ def _verify(args: argparse.Namespace, result) -> None:
           "each 'planner' line below counts again with the bytes the trainer holds (fp32 "
           "parameters, gradients and gathers) beside what the dry run traced")
     reports = dry_run_ranks(job, layout.devices, default_ranks(layout.devices, layout.pp))
-    print(format_report(reports, planner_by_rank(job, layout.devices, reports)))
+    print(format_report(reports, planner_by_rank(job, layout.devices, reports),
+                        comm=comm_by_rank(job, layout.devices, reports)))
 
 
 def _print_clusters(extra) -> None:

@@ -118,9 +118,10 @@ def run_dry(job, args: argparse.Namespace) -> int:
         ranks = default_ranks(args.world_size, dims.pp)
     job.validate(world_size=dims.world_size, dp_size=dims.dp_size)  # the real run's one line
     reports = dry_run_ranks(job, args.world_size, ranks)
-    from densetrain.dryrun.predict import planner_by_rank
+    from densetrain.dryrun.predict import comm_by_rank, planner_by_rank
 
-    print(format_report(reports, planner_by_rank(job, args.world_size, reports)))
+    print(format_report(reports, planner_by_rank(job, args.world_size, reports),
+                        comm=comm_by_rank(job, args.world_size, reports)))
     return 0
 
 

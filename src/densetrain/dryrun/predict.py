@@ -14,16 +14,12 @@ import torch
 from densetrain.config.job import JobConfig
 
 
-def planner_memory(job: JobConfig, world_size: int, pp_rank: int | None = None
-                   ) -> dict[str, float]:
-    """Predicted bytes per device (``params``, ``grads``, ``optimizer``, ``activations``,
-    ``head``, ``buffers``, ``total``) for ``job`` on ``world_size`` ranks: of the fullest
-    pipeline rank, or of pipeline rank ``pp_rank`` (its activations and receive buffers)."""
+def _layout_and_settings(job: JobConfig, world_size: int):
+    """The planner's `Layout` of ``job`` on ``world_size`` ranks and the `PlanSettings` of the
+    trainer's real bytes (module docstring)."""
     from densetrain.parallel.mesh import ParallelDims
     from densetrain.parallel.parallelize import fsdp_gather_dtype
-    from densetrain.planner.hardware import get_cluster
     from densetrain.planner.layout import Layout, PlanSettings
-    from densetrain.planner.search import evaluate_layout
 
     par = job.parallel
     dims = ParallelDims.from_config(par, world_size)
@@ -43,23 +39,106 @@ def planner_memory(job: JobConfig, world_size: int, pp_rank: int | None = None
     settings = PlanSettings(precision="fsdp2-bf16" if gathers_bf16 else "fp32",
                             activation_bytes=4 if job.training.dtype == "fp32" else 2,
                             optimizer_step_temporaries=1.0 if foreach else 0.0)
+    return layout, settings
+
+
+def _evaluate(job: JobConfig, world_size: int) -> dict:
+    from densetrain.planner.hardware import get_cluster
+    from densetrain.planner.search import evaluate_layout
+
+    layout, settings = _layout_and_settings(job, world_size)
+    return evaluate_layout(job.build_model_config(), job.data.seq_len,
+                           job.training.global_batch_size, layout, get_cluster("h100-80gb"),
+                           settings, trainer_rules=False)
+
+
+def planner_memory(job: JobConfig, world_size: int, pp_rank: int | None = None
+                   ) -> dict[str, float]:
+    """Predicted bytes per device (``params``, ``grads``, ``optimizer``, ``activations``,
+    ``head``, ``buffers``, ``total``) for ``job`` on ``world_size`` ranks: of the fullest
+    pipeline rank, or of pipeline rank ``pp_rank`` (its activations and receive buffers)."""
     keys = ("params", "grads", "optimizer", "activations", "head", "buffers", "optimizer_step",
             "total")
     if pp_rank is not None:
         from densetrain.planner.layout import LayoutColumns
         from densetrain.planner.memory import memory_columns
 
+        layout, settings = _layout_and_settings(job, world_size)
         mem = memory_columns(job.build_model_config(), job.data.seq_len,
                              job.training.global_batch_size, LayoutColumns.from_layouts([layout]),
                              settings, pp_rank=pp_rank)
         return {key: float(mem[key][0]) for key in keys}
-    metrics = evaluate_layout(job.build_model_config(), job.data.seq_len,
-                              job.training.global_batch_size, layout, get_cluster("h100-80gb"),
-                              settings, trainer_rules=False)
+    metrics = _evaluate(job, world_size)
     return {key: metrics[f"mem_{key}"] for key in keys}
+
+
+COMM_KINDS = ("tp", "dp", "pp", "cp")
+"""The planner's communication kinds (`planner.comm.comm_columns`), by the mesh dimension that
+carries them: tp, dp (dp_shard and dp_replicate, flattened or not), pp, cp."""
+
+
+def planner_comm(job: JobConfig, world_size: int, pp_rank: int | None = None
+                 ) -> dict[str, float]:
+    """The planner's bytes sent per device and step, by `COMM_KINDS` (ring collectives:
+    all-reduce 2(n-1)/n of the payload, all-gather and reduce-scatter (n-1)/n). The planner's
+    pipeline traffic is a middle stage's (activations forward and gradients back); at
+    ``pp_rank`` 0 or the last (one stage per rank) only one of the two is sent."""
+    metrics = _evaluate(job, world_size)
+    out = {kind: float(metrics[f"{kind}_bytes"]) for kind in COMM_KINDS}
+    par = job.parallel
+    if pp_rank in (0, par.pp - 1) and par.pp > 1 and par.pp_virtual_stages == 1:
+        out["pp"] /= 2
+    return out
+
+
+def traced_comm(report, job: JobConfig) -> dict[str, float]:
+    """The traced collectives of ``report`` as the planner counts them: bytes each rank sends per
+    step with ring collectives (the payload times the ring factor of the group's size; a send's
+    payload; receives are counted by their sender), by `COMM_KINDS`. The traced micro-batches
+    stand for the step's: their traffic is scaled by microbatches per step over traced ones."""
+    from densetrain.parallel.mesh import FLATTENED_AXES, ParallelDims
+    from densetrain.planner.comm import ring_factor
+
+    dims = ParallelDims.from_config(job.parallel, report.world_size)
+    scale = report.microbatches / report.traced_microbatches
+    out = dict.fromkeys(COMM_KINDS, 0.0)
+    for c in report.collectives:
+        axes = FLATTENED_AXES.get(c.group, (c.group,))
+        if any(a not in ("pp", "dp_replicate", "dp_shard", "cp", "tp") for a in axes):
+            continue  # a group the report could not name
+        size = 1
+        for axis in axes:
+            size *= dims.degree(axis)
+        kind = axes[0] if axes[0] in ("tp", "pp", "cp") else "dp"
+        if c.kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            sent = c.bytes * float(ring_factor(size, c.kind))
+        else:
+            sent = c.bytes if c.kind in ("send", "broadcast", "all_to_all") else 0.0
+        out[kind] += sent * scale
+    return out
 
 
 def planner_by_rank(job: JobConfig, world_size: int, reports) -> dict[int, dict[str, float]]:
     """`planner_memory` for each report's rank, at its pipeline position when there is one."""
     return {r.rank: planner_memory(job, world_size, r.coordinates.get("pp") if job.parallel.pp > 1
                                    else None) for r in reports}
+
+
+def comm_by_rank(job: JobConfig, world_size: int, reports) -> dict[int, dict[str, tuple]]:
+    """Per report's rank and `COMM_KINDS` kind: (traced, planner) bytes sent per step, or
+    (traced, None) where the two cannot be compared: data-parallel traffic under pipeline
+    parallel, where FSDP's gathers depend on how the schedule interleaves the step's
+    microbatches (a stage stays gathered from one backward to the next forward), so the traced
+    microbatches do not scale to the step."""
+    out = {}
+    for r in reports:
+        pp_rank = r.coordinates.get("pp", 0) if job.parallel.pp > 1 else None
+        traced, planned = traced_comm(r, job), planner_comm(job, world_size, pp_rank)
+        rows = {}
+        for kind in COMM_KINDS:
+            if not traced[kind] and not planned[kind]:
+                continue
+            comparable = not (kind == "dp" and job.parallel.pp > 1)
+            rows[kind] = (traced[kind], planned[kind] if comparable else None)
+        out[r.rank] = rows
+    return out

@@ -19,10 +19,12 @@ def default_ranks(world_size: int, pp: int) -> list[int]:
 
 def format_report(reports: list[RankReport],
                   predicted: dict[int, dict[str, float]] | None = None,
-                  device_bytes: float | None = None) -> str:
+                  device_bytes: float | None = None,
+                  comm: dict[int, dict[str, tuple]] | None = None) -> str:
     """Lines of the report (GiB; collectives in GB); ``predicted``: the planner's memory per
     device for each report's rank (`dryrun.predict.planner_by_rank`), printed beside the
-    traced figures."""
+    traced figures; ``comm``: traced and predicted bytes sent per step by kind
+    (`dryrun.predict.comm_by_rank`)."""
     lines = []
     for r in reports:
         prediction = (predicted or {}).get(r.rank)
@@ -58,6 +60,12 @@ def format_report(reports: list[RankReport],
             dtypes = ", ".join(f"{n} {d}" for d, n in sorted(c.dtypes.items()))
             lines.append(f"  {c.kind:<15} over {c.group:<12} {c.calls:5d} calls "
                          f"{c.bytes / 1e9:10.3f} GB   ({dtypes})")
+        for kind, (traced, planned) in (comm or {}).get(r.rank, {}).items():
+            versus = ("not compared (FSDP under the pipeline schedule)" if planned is None else
+                      f"planner {planned / 1e9:.1f} GB (traced/predicted "
+                      f"{traced / planned:.3f})" if planned else "planner 0")
+            lines.append(f"  sent per step over {kind:<3} traced {traced / 1e9:10.1f} GB   "
+                         f"{versus}")
         if r.notes:
             lines.append("  notes: " + "; ".join(r.notes))
         lines.append("  not traced: " + "; ".join(r.not_traced))

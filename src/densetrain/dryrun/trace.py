@@ -100,8 +100,10 @@ class StepTracer(TorchDispatchMode):
             self._add(storage)
 
     def set_phase(self, name: str) -> None:
-        """Name the part of the step that follows (its own peak is kept)."""
+        """Name the part of the step that follows (its own peak is kept, at least what is
+        live as it starts: an in-place part, such as a fused optimizer step, adds nothing)."""
         self.phase = name
+        self._note_peak()
 
     def _add(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata
@@ -146,14 +148,16 @@ class StepTracer(TorchDispatchMode):
         self.peak = max(self.peak, self.live)
         self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self.live)
 
-    def _record_collective(self, func, args, kwargs) -> None:
+    def _record_collective(self, func, args, kwargs, out=None) -> None:
         name = func._opname if hasattr(func, "_opname") else str(func)
         kind = _COLLECTIVES.get(name)
         if kind is None:
             return
         group = "?"
         tensors = []
-        for leaf in tree_flatten((args, kwargs))[0]:
+        # the output too: a functional all-gather gets only its shard as an argument and
+        # returns the gathered buffer
+        for leaf in tree_flatten((args, kwargs, out))[0]:
             if isinstance(leaf, torch.Tensor):
                 tensors.append(_local(leaf))
             elif isinstance(leaf, str) and leaf in self.group_names:
@@ -175,8 +179,8 @@ class StepTracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self._record_collective(func, args, kwargs)
         out = func(*args, **kwargs)
+        self._record_collective(func, args, kwargs, out)
         for storage in _storages(out):
             self._add(storage)
         return out

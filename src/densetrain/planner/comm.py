@@ -9,14 +9,16 @@ device sends with ring collectives: all-reduce 2(n-1)/n x size, all-gather and r
 - TP (Megatron, Shoeybi et al. 2019): per layer and microbatch two all-reduces in forward and
   two in backward of the b·s·h activations (sequence parallel swaps each for an all-gather plus a
   reduce-scatter, the same bytes); full recompute repeats the forward's two; plus the
-  vocab-parallel embedding's forward all-reduce and the output's backward all-reduce.
+  vocab-parallel embedding's forward all-reduce and the output's backward all-reduce; the
+  backward's recompute repeats some of the forward's (`_tp_recompute_calls`).
 - DP/FSDP: stage 0 all-reduces gradients once a step; stage 1 reduce-scatters them and
   all-gathers the updated parameters; stage 2 reduce-scatters every microbatch; stage 3
   all-gathers parameters in forward and in backward and reduce-scatters gradients every
   microbatch (1.5x stage 0 at one microbatch, as in the ZeRO paper). HSDP adds an all-reduce
   of the gradient shard over ``dp_replicate``.
 - PP: each microbatch's activation forward and its gradient backward at every stage boundary,
-  split over tp ranks (Megatron's scatter/gather), times the virtual stages.
+  times the virtual stages: whole on every tp rank (torch's pipeline stages, the trainer's), or
+  split over tp ranks (Megatron's scatter/gather, ``PlanSettings.pp_scatter_gather``).
 - CP (ring attention): each layer passes K and V around the ring in forward, and K, V and their
   gradients in backward.
 """
@@ -70,7 +72,7 @@ def comm_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, settings: 
     act = cols.micro_batch_size * (seq_len / cp) * cfg.dim * e  # one b·s·h activation
     out = {}
 
-    per_layer = TP_CALLS_PER_LAYER + np.where(cols.activation_checkpointing == _FULL, 2.0, 0.0)
+    per_layer = TP_CALLS_PER_LAYER + _tp_recompute_calls(cols, settings)
     n_tp = (layers * per_layer + 2.0) * m * (tp > 1)
     bw, lat = link(cluster, tp, act)
     out["tp_bytes"] = n_tp * ring_factor(tp, "all_reduce") * act
@@ -84,12 +86,30 @@ def comm_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, settings: 
     out["cp_s"] = out["cp_bytes"] / bw + layers * m * passes * (cp - 1) * lat
 
     boundaries = (cols.pp > 1) * 2.0 * m * cols.pp_virtual_stages
-    out["pp_bytes"] = boundaries * act / tp
-    bw, lat = link(cluster, tp * cp * shard * rep * np.minimum(cols.pp, 2), act / tp)
+    pp_act = act / tp if settings.pp_scatter_gather else act
+    out["pp_bytes"] = boundaries * pp_act
+    bw, lat = link(cluster, tp * cp * shard * rep * np.minimum(cols.pp, 2), pp_act)
     out["pp_s"] = out["pp_bytes"] / bw + boundaries * lat
 
     out.update(_dp_comm(cols, mem, cluster, g_bytes, gather_bytes, tp * cp, layers))
     return out
+
+
+def _tp_recompute_calls(cols: LayoutColumns, settings: PlanSettings) -> np.ndarray:
+    """Tensor-parallel collectives (in all-reduce equivalents) the backward's recompute repeats
+    per layer and microbatch. Megatron-LM's full recompute re-runs the layer forward, its two
+    all-reduces. torch's checkpoint as the trainer runs it stops once the tensors backward needs
+    are rebuilt (``checkpoint_early_stop``), so the layer's last reduction (after the MLP) is not
+    repeated: one all-reduce, or under sequence parallelism both all-gathers and the first
+    reduce-scatter (1.5); the trainer's selective policy recomputes everything but the matmul
+    and attention outputs, collectives included (``selective_keeps_matmul_outputs``), the same
+    ones. Traced by the dry run of Llama 3 8B on TP 8 x FSDP 8 (docs/planner.md)."""
+    early = np.where(cols.sequence_parallel, 1.5, 1.0)
+    full = early if settings.checkpoint_early_stop else np.full(len(cols), 2.0)
+    selective = early if settings.selective_keeps_matmul_outputs else np.zeros(len(cols))
+    policy = cols.activation_checkpointing
+    return np.where(policy == _FULL, full,
+                    np.where(policy == AC_POLICIES.index("selective"), selective, 0.0))
 
 
 def _dp_comm(cols: LayoutColumns, mem: dict[str, np.ndarray], cluster: ClusterSpec,

@@ -159,6 +159,11 @@ class PlanSettings:
     everything else recomputed (`planner.memory.selective_matmul_bytes`). False: Korthikanti et
     al. 2022's selective recompute (only the attention core recomputed), as Megatron-LM runs
     it. Found by the dry run of Llama 3 8B (docs/planner.md)."""
+    pp_scatter_gather: bool = False
+    """Megatron-LM's scatter/gather optimisation (Narayanan et al. 2021 §4.1): each tp rank
+    sends 1/tp of the stage boundary's activation. False: torch's pipeline stages (the
+    trainer's) send the whole activation from every tp rank, tp times the bytes; traced by the
+    dry run of Llama 3 70B (docs/planner.md)."""
     pp_recv_buffer_per_microbatch: bool = True
     """Pipeline stages as the trainer runs them (``torch.distributed.pipelining``): at its first
     step each stage allocates one activation and one gradient receive buffer per microbatch of

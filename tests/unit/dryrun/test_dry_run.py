@@ -49,6 +49,20 @@ def _assert_planner_within(report: RankReport, config: str, overrides: list[str]
         predicted / 2**30, report.peak_bytes / 2**30)
 
 
+def _assert_comm_within(report: RankReport, config: str, overrides: list[str], world: int,
+                        kinds: set[str], tolerance: float = 0.05) -> None:
+    """The traced collectives, as bytes each rank sends per step with ring collectives, against
+    the planner's communication model, for each of ``kinds`` (and nothing else compared)."""
+    from densetrain.dryrun.predict import comm_by_rank
+
+    rows = comm_by_rank(load_job_config(config, overrides), world, [report])[report.rank]
+    compared = {kind for kind, (_, planned) in rows.items() if planned is not None}
+    assert compared == kinds, rows
+    for kind in kinds:
+        traced, planned = rows[kind]
+        assert abs(traced - planned) <= tolerance * planned, (kind, traced / 1e9, planned / 1e9)
+
+
 def _assert_model_states(report: RankReport, share_numel: int, padding: int = 0) -> None:
     """fp32 parameters and gradients, two fp32 AdamW moments; ``padding``: the elements FSDP2
     pads a short last shard's parameter and gradient storage with, so that every rank's shard
@@ -82,6 +96,7 @@ def test_llama3_8b_fsdp_on_8_ranks_holds_an_eighth():
     assert set(collectives[("all_gather", "dp_shard")].dtypes) == {"bfloat16"}
     assert collectives[("all_gather", "dp_shard")].calls == 2 * (2 * 32 + 1)
     _assert_planner_within(report, LLAMA3_8B, [], 8, 0.10)
+    _assert_comm_within(report, LLAMA3_8B, [], 8, {"dp"})
 
 
 def test_llama3_8b_tp8_fsdp8_on_64_ranks_holds_a_sixty_fourth():
@@ -96,6 +111,8 @@ def test_llama3_8b_tp8_fsdp8_on_64_ranks_holds_a_sixty_fourth():
     # 1.40x the planner before it counted the gathered inputs DTensor's SP keeps (8.72 GiB);
     # 9.38 GiB traced, 10.12 predicted
     _assert_planner_within(report, LLAMA3_8B, ["--parallel.tp=8"], 64, 0.10)
+    # tp: 1.37x the planner before it counted the collectives selective recompute repeats
+    _assert_comm_within(report, LLAMA3_8B, ["--parallel.tp=8"], 64, {"tp", "dp"})
 
 
 def _cli(*words: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -187,6 +204,9 @@ def test_llama3_70b_pipeline_rank_of_512_holds_its_stage_share():
     _assert_receive_buffers(report, 64, 1, 8192, 8192)
     assert {c.kind for c in report.collectives if c.group == "pp"} >= {"send", "recv"}
     _assert_planner_within(report, config, [], 512, 0.10, pp_rank=0)
+    # pp: 4x the planner before it counted torch's stages sending whole activations from every
+    # tp rank (no scatter/gather); dp under the pipeline schedule is not compared
+    _assert_comm_within(report, config, [], 512, {"tp", "pp"})
 
 
 def test_llama3_405b_table4_layout_last_rank_of_8192():
@@ -242,6 +262,7 @@ def test_gpt3_175b_megatron_layout_rank_of_64():
     share = sum(_share(shape, name, (8, 1), (8, 1)) for name, shape in shapes.items())
     _assert_model_states(report, share)
     _assert_planner_within(report, str(ROOT / "configs" / "gpt3-175b.toml"), [], 64, 0.10)
+    _assert_comm_within(report, str(ROOT / "configs" / "gpt3-175b.toml"), [], 64, {"tp", "dp"})
 
 
 def test_plan_verify_dry_runs_the_winner_on_each_role():
