@@ -229,9 +229,10 @@ def _static_pipeline(model, job: JobConfig, micro: int, autocast,
     gradients made instead, and the report says so.
 
     Memory: 1F1B holds at most ``pp`` microbatches in flight and the interleaved schedules at most
-    ``2 * pp`` per stage, so the schedule runs ``min(m, pp)`` (``min(m, 2 * pp)``) of the step's
-    ``m`` microbatches (the later ones repeat its steady state); GPipe holds all ``m`` and runs
-    them all. torch allocates, at the first step, one activation and one gradient receive buffer
+    ``2 * pp`` per stage, so the schedule runs ``min(m, pp + 1)`` (``min(m, 2 * pp + 1)``) of the
+    step's ``m`` microbatches, reaching its steady state (in-flight microbatches beside the
+    gradients accumulated since the first backward; the later ones repeat it); GPipe holds all
+    ``m`` and runs them all. torch allocates, at the first step, one activation and one gradient receive buffer
     per stage for every microbatch of the step, kept for the schedule's life: those of the
     microbatches not run are counted from the stage's shapes (modelled, and the report says so).
     """
@@ -251,7 +252,10 @@ def _static_pipeline(model, job: JobConfig, micro: int, autocast,
         return 0, 0
     m, pp = pipeline.num_microbatches, pmesh.dims.pp
     in_flight = {"gpipe": m, "1f1b": pp}.get(cfg.pp_schedule, 2 * pp)
-    count = min(m, in_flight)
+    # one more than the schedule holds in flight: its steady state, where a stage holds its
+    # in-flight microbatches and the gradients accumulated since its first backward (FSDP keeps
+    # them unsharded, in fp32, until the last microbatch's backward reduce-scatters them)
+    count = min(m, in_flight + 1)
     buffer_bytes = []  # per microbatch: what each stage receives (activations, gradients)
     seq = job.data.seq_len // pmesh.dims.cp
     dim = job.build_model_config().dim

@@ -183,6 +183,12 @@ class PlanSettings:
     no gradient reduce-scatter until the last), so a rank holds its stage's whole parameters,
     unsharded over data parallel, through the step. Found by the dry run of Llama 3 70B
     (docs/planner.md)."""
+    pp_accumulates_unsharded_grads: bool = True
+    """With ``pp_keeps_stage_unsharded``: the stage's gradients too accumulate unsharded (FSDP2
+    keeps them in fp32 from the first microbatch's backward until the last reduce-scatters
+    them), the stage's whole parameter count in gradient bytes. Found by the dry run of the
+    Llama 3 405B last stage (docs/planner.md). False: gradients reduce-scattered every
+    microbatch (Llama 3's pipelined FSDP, Dubey et al. 2024 §3.3.2)."""
     chunked_loss: bool = True
     """Output projection + cross-entropy in chunks, so full logits are never held."""
     activation_bytes: int = 2

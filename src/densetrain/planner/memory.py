@@ -196,29 +196,36 @@ def _pipeline_rank_memory(cols: LayoutColumns, settings: PlanSettings, per_layer
     return activations, recv
 
 
-def stage_tables(cfg: ModelConfig, cols: LayoutColumns):
-    """Per row: params of the fullest stage rank, params per layer, layers of that stage."""
+def stage_tables(cfg: ModelConfig, cols: LayoutColumns, pp_rank: int | None = None):
+    """Per row: params of the fullest stage rank (or of pipeline rank ``pp_rank``), params per
+    layer, layers of that stage."""
     keys = cols.tp * 100_000 + cols.pp
     unique, inverse = np.unique(keys, return_inverse=True)
     max_params = np.empty(len(unique))
     per_layer = np.empty(len(unique))
+    layers = np.empty(len(unique))
     for i, key in enumerate(unique):
         tp, pp = divmod(int(key), 100_000)
         sharded = sharded_params(cfg, tp)
-        max_params[i] = sharded.max_stage_params(pp)
+        if pp_rank is None:
+            max_params[i] = sharded.max_stage_params(pp)
+            layers[i] = -(-cfg.num_layers // pp)
+        else:
+            stage = min(pp_rank, pp - 1)
+            max_params[i] = sharded.stage_params(pp)[stage]
+            layers[i] = sharded.stage_layers(pp)[stage]
         per_layer[i] = sharded.per_layer
-    max_layers = -(-cfg.num_layers // cols.pp)
-    return max_params[inverse], per_layer[inverse], max_layers
+    return max_params[inverse], per_layer[inverse], layers[inverse]
 
 
 def memory_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: LayoutColumns,
                    settings: PlanSettings, *, pp_rank: int | None = None
                    ) -> dict[str, np.ndarray]:
     """Bytes per device by component for every row of ``cols``: of the fullest pipeline rank,
-    or of pipeline rank ``pp_rank`` (its activations and receive buffers; parameters and the
-    rest are the fullest stage's)."""
+    or of pipeline rank ``pp_rank`` (its stage's parameters, activations and receive
+    buffers)."""
     p_bytes, g_bytes, o_bytes, gather_bytes = settings.bytes_per_param
-    stage_params, layer_params, stage_layers = stage_tables(cfg, cols)
+    stage_params, layer_params, stage_layers = stage_tables(cfg, cols, pp_rank)
     params, grads, optim = zero_model_state_bytes(
         stage_params, cols.dp_shard, cols.zero_stage, p_bytes, g_bytes, o_bytes
     )
@@ -260,8 +267,14 @@ def memory_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layo
     buffers = buffers + settings.workspace_gb * 1e9
     buffers = buffers + recv
     if settings.pp_keeps_stage_unsharded:
+        # the stage's parameters stay gathered and its gradients accumulate unsharded (in the
+        # gradients' dtype) from the first microbatch's backward to the last
+        # (``pp_accumulates_unsharded_grads``)
+        # (the per-layer FSDP buffers above are part of the whole stage here)
         whole_stage = (cols.pp > 1) & fsdp
-        buffers = buffers + np.where(whole_stage, stage_params * gather_bytes, 0.0)
+        held = gather_bytes + (g_bytes if settings.pp_accumulates_unsharded_grads else 0)
+        buffers = np.where(whole_stage, stage_params * held + settings.workspace_gb * 1e9 + recv,
+                           buffers)
     # The optimizer step: the model states, the pipeline's receive buffers (kept for the
     # schedule's life) and the step's temporaries (torch's foreach AdamW makes fp32 lists the
     # size of the rank's parameters).

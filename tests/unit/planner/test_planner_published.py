@@ -123,7 +123,9 @@ def _llama3_405b_row(gpus, cp, dp, seq):
     # Meta's pipeline, like Megatron-LM's, is taken to send 1/tp of each boundary activation per
     # tp rank (the paper does not say; torch's stages, the trainer's, send it whole)
     return evaluate_layout(cfg, seq, 16 * 2**20 // seq, layout, get_cluster("h100-80gb"),
-                           PlanSettings(pp_scatter_gather=True), trainer_rules=False)
+                           PlanSettings(pp_scatter_gather=True,
+                                        pp_accumulates_unsharded_grads=False),
+                           trainer_rules=False)
 
 
 @pytest.mark.parametrize(("gpus", "cp", "dp", "seq", "published"), LLAMA3_TABLE_4)
