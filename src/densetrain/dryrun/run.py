@@ -232,9 +232,10 @@ def _static_pipeline(model, job: JobConfig, micro: int, autocast,
     ``2 * pp`` per stage, so the schedule runs ``min(m, pp + 1)`` (``min(m, 2 * pp + 1)``) of the
     step's ``m`` microbatches, reaching its steady state (in-flight microbatches beside the
     gradients accumulated since the first backward; the later ones repeat it); GPipe holds all
-    ``m`` and runs them all. torch allocates, at the first step, one activation and one gradient receive buffer
-    per stage for every microbatch of the step, kept for the schedule's life: those of the
-    microbatches not run are counted from the stage's shapes (modelled, and the report says so).
+    ``m`` and runs them all. torch allocates, at the first step, one activation and one
+    gradient receive buffer per stage for every microbatch of the step, kept for the schedule's
+    life: those of the microbatches not run are counted from the stage's shapes (modelled, and
+    the report says so).
     """
     from torch.distributed.fsdp import FSDPModule
 
