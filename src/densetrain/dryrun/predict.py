@@ -82,9 +82,24 @@ def planner_comm(job: JobConfig, world_size: int, pp_rank: int | None = None
     """The planner's bytes sent per device and step, by `COMM_KINDS` (ring collectives:
     all-reduce 2(n-1)/n of the payload, all-gather and reduce-scatter (n-1)/n). The planner's
     pipeline traffic is a middle stage's (activations forward and gradients back); at
-    ``pp_rank`` 0 or the last (one stage per rank) only one of the two is sent."""
-    metrics = _evaluate(job, world_size)
-    out = {kind: float(metrics[f"{kind}_bytes"]) for kind in COMM_KINDS}
+    ``pp_rank`` 0 or the last (one stage per rank) only one of the two is sent. With
+    ``pp_rank`` the counts are of that rank's stage."""
+    if pp_rank is None:
+        metrics = _evaluate(job, world_size)
+        out = {kind: float(metrics[f"{kind}_bytes"]) for kind in COMM_KINDS}
+    else:  # the rank's own stage (its layers and parameters), not the fullest
+        from densetrain.planner.comm import comm_columns
+        from densetrain.planner.hardware import get_cluster
+        from densetrain.planner.layout import LayoutColumns
+        from densetrain.planner.memory import memory_columns
+
+        layout, settings = _layout_and_settings(job, world_size)
+        cols = LayoutColumns.from_layouts([layout])
+        cfg = job.build_model_config()
+        mem = memory_columns(cfg, job.data.seq_len, job.training.global_batch_size, cols,
+                             settings, pp_rank=pp_rank)
+        comm = comm_columns(cfg, job.data.seq_len, cols, settings, get_cluster("h100-80gb"), mem)
+        out = {kind: float(comm[f"{kind}_bytes"][0]) for kind in COMM_KINDS}
     par = job.parallel
     if pp_rank in (0, par.pp - 1) and par.pp > 1 and par.pp_virtual_stages == 1:
         out["pp"] /= 2

@@ -232,6 +232,9 @@ def test_llama3_405b_table4_layout_last_rank_of_8192():
     # scalar step per parameter
     assert report.save_items > 0
     assert 12 * share <= report.save_bytes < 12 * share + 8 * 100
+    # the planner at this rank's own stage (7 layers, not the fullest stage's 8)
+    _assert_comm_within(report, str(ROOT / "configs" / "llama3-405b.toml"), [], 8192,
+                        {"tp", "pp"})
     assert report.seconds < 60
 
 
