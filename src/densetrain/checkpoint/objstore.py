@@ -38,27 +38,16 @@ from densetrain.checkpoint.manifest import (
 )
 from densetrain.errors import UserError
 
-_URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
+# torch-free (config validation imports them before torch): re-exported for the callers here
+from densetrain.storage_url import _URL_RE, EXTRA_HINT, is_remote, url_problem, url_scheme  # noqa: F401
+
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 _CHUNK = 8 << 20
 CONFIG_FILE = "config.toml"
-EXTRA_HINT = "pip install 'densetrain[s3]'"
 
 
 class ObjectStoreError(UserError):
     """A checkpoint URL cannot be used (missing package, missing bucket, refused access)."""
-
-
-def url_scheme(value: Any) -> str | None:
-    """The scheme of ``value`` when it is a ``scheme://...`` string, else None."""
-    match = _URL_RE.match(value) if isinstance(value, str) else None
-    return match.group(1).lower() if match else None
-
-
-def is_remote(value: Any) -> bool:
-    """True for a URL handled through fsspec (any scheme but ``file``)."""
-    scheme = url_scheme(value)
-    return scheme is not None and scheme != "file"
 
 
 def checkpoint_location(value: str) -> Any:
@@ -71,31 +60,6 @@ def checkpoint_location(value: str) -> Any:
     if is_remote(value):
         return value.rstrip("/")
     return Path(value)
-
-
-def url_problem(field: str, value: str) -> str | None:
-    """Why ``value`` cannot be a checkpoint URL (one line naming ``field``), or None. Imports
-    the scheme's filesystem package; touches no server."""
-    scheme = url_scheme(value)
-    if scheme is None:
-        return None
-    rest = _URL_RE.match(value).group(2)
-    if scheme == "file":
-        if not rest.startswith("/"):
-            return f"{field}={value!r}: a file:// URL needs an absolute path (file:///abs/dir)"
-        return None
-    if not rest.split("/", 1)[0]:
-        return f"{field}={value!r} names no bucket (expected {scheme}://BUCKET/PREFIX)"
-    try:
-        import fsspec
-
-        fsspec.get_filesystem_class(scheme)
-    except ImportError as err:
-        return (f"{field}={value!r} needs the {scheme}:// filesystem package, which is not "
-                f"installed ({err.name or err}): {EXTRA_HINT}")
-    except ValueError:
-        return f"{field}={value!r}: fsspec knows no filesystem for the scheme {scheme}://"
-    return None
 
 
 def filesystem(url: str) -> tuple[Any, str]:

@@ -129,7 +129,7 @@ class CheckpointConfig:
         _int_at_least("checkpoint.interval", self.interval, 1)
         _int_at_least("checkpoint.keep_last", self.keep_last, 0)
         _choice("checkpoint.on_save_error", self.on_save_error, SAVE_ERROR_ACTIONS)
-        from densetrain.checkpoint.objstore import url_problem
+        from densetrain.storage_url import url_problem
 
         problem = url_problem("checkpoint.dir", self.dir)
         if problem is not None:
