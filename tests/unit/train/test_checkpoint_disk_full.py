@@ -105,6 +105,12 @@ class _FillDisk(Callback):
 
     def on_step_end(self, parts, progress, report) -> None:
         if progress.step == self.at:
+            # the previous step's background save may still be writing: let it finish (it
+            # becomes visible when complete) so that only the next save meets the full disk
+            done = self.disk / checkpoint_name(self.at - 1)
+            deadline = time.monotonic() + 60
+            while not done.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
             self.filler = self.disk / "filler"
             free = shutil.disk_usage(self.disk).free
             with open(self.filler, "wb") as f:
