@@ -204,21 +204,17 @@ def resume(parts: RunParts, progress: Progress, *, allow_config_change: bool = F
     parts.optimizer.after_weights_loaded()
     if parts.is_main:
         print(f"resumed from {latest} (step {progress.step})", file=sys.stderr)
-    _note_world_size_change(latest, parts, progress)
+    _note_world_size_change(latest, len(tree["rng"].available_ranks or ()), parts, progress)
     return str(latest)
 
 
-def _note_world_size_change(checkpoint, parts: RunParts, progress: Progress) -> None:
+def _note_world_size_change(checkpoint, saved: int, parts: RunParts,
+                            progress: Progress) -> None:
     """Print and record in ``run_history.jsonl`` a resume on another number of ranks than wrote
-    the checkpoint (DCP reshards it; an elastic restart on fewer nodes lands here). The writers
-    are counted by their per-rank generator entries (``rng.rank<r>``)."""
-    import re
-
+    the checkpoint (DCP reshards it; an elastic restart on fewer nodes lands here). ``saved``:
+    the writers, counted by `load_checkpoint` from their per-rank generator entries."""
     from densetrain.checkpoint.resume import append_history
-    from densetrain.checkpoint.safe_pickle import read_dcp_metadata
 
-    keys = read_dcp_metadata(checkpoint).state_dict_metadata
-    saved = sum(1 for key in keys if re.fullmatch(r"rng\.rank\d+", key))
     if not saved or saved == parts.world_size:
         return
     if parts.is_main:

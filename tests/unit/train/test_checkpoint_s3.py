@@ -10,7 +10,8 @@ import pytest
 
 from densetrain.checkpoint import list_checkpoints
 from densetrain.checkpoint.objstore import ObjectStoreError, url_problem
-from densetrain.train import Callback, read_metrics, train
+from densetrain.testing.callbacks import InterruptAfter
+from densetrain.train import read_metrics, train
 
 _MISSING = [m for m in ("s3fs", "moto") if importlib.util.find_spec(m) is None]
 needs_s3 = pytest.mark.skipif(
@@ -79,15 +80,6 @@ def s3(monkeypatch):
     server.stop()
 
 
-class _Interrupt(Callback):
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def on_step_end(self, parts, progress, report) -> None:
-        if progress.step == self.at:
-            raise KeyboardInterrupt(f"interrupted after step {self.at}")
-
-
 _STEPS = ["--training.steps=6", "--checkpoint.interval=2", "--eval.interval=0",
           "--eval.sample_tokens=0", "--checkpoint.keep_last=0"]
 
@@ -102,7 +94,7 @@ def test_save_and_resume_on_s3_is_bit_exact(make_job, s3) -> None:
     train(reference)
     job = make_job(*_STEPS, "--checkpoint.dir=s3://ckpt/run", run="interrupted")
     with pytest.raises(KeyboardInterrupt):
-        train(job, callbacks=[_Interrupt(at=4)])
+        train(job, callbacks=[InterruptAfter(at=4)])
     assert [s for s, _ in list_checkpoints("s3://ckpt/run")] == [2, 4]
     names = {p.rsplit("/", 1)[1] for p in s3.ls("ckpt/run/step-00000004")}
     assert {".metadata", "config.toml", "manifest.json"} <= names  # no .tmp prefix anywhere
@@ -121,7 +113,7 @@ def test_damaged_newest_s3_checkpoint_is_named_and_skipped(make_job, s3, capsys,
     train(reference)
     job = make_job(*_STEPS, "--checkpoint.dir=s3://ckpt/run", run="damaged")
     with pytest.raises(KeyboardInterrupt):
-        train(job, callbacks=[_Interrupt(at=4)])
+        train(job, callbacks=[InterruptAfter(at=4)])
     newest = "ckpt/run/step-00000004"
     if damage == "delete a shard":
         s3.rm_file(next(p for p in s3.ls(newest) if p.endswith(".distcp")))

@@ -11,20 +11,10 @@ import torch
 
 from densetrain.checkpoint import CheckpointShapeError, latest_checkpoint, list_checkpoints
 from densetrain.checkpoint.resume import ConfigChangeError
+from densetrain.testing.callbacks import InterruptAfter
 from densetrain.train import Callback, NonFiniteLossError, read_metrics, train
 
 REQUIRED_METRICS = {"step", "loss", "lr", "tokens", "tokens_per_s", "mfu"}
-
-
-class _Interrupt(Callback):
-    """Raises after step ``at`` (after the default callbacks saved that step's checkpoint)."""
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def on_step_end(self, parts, progress, report) -> None:
-        if progress.step == self.at:
-            raise KeyboardInterrupt(f"interrupted after step {self.at}")
 
 
 class _PoisonWeights(Callback):
@@ -73,7 +63,7 @@ def test_interrupted_then_resumed_run_is_bit_exact(make_job) -> None:
     reference = train(reference_job)
     job = make_job(*steps, "--eval.sample_tokens=0", run="interrupted")
     with pytest.raises(KeyboardInterrupt):
-        train(job, callbacks=[_Interrupt(at=4)])
+        train(job, callbacks=[InterruptAfter(at=4)])
     assert latest_checkpoint(Path(job.logging.run_dir) / "checkpoints").name == "step-00000004"
     resumed = train(job)
     assert resumed["resumed_from"].endswith("step-00000004")
@@ -196,7 +186,7 @@ def test_a_restart_after_torn_log_lines_resumes_and_keeps_the_logs_whole(make_jo
              "--eval.sample_tokens=0"]
     job = make_job(*steps)
     with pytest.raises(KeyboardInterrupt):
-        train(job, callbacks=[_Interrupt(at=5)])
+        train(job, callbacks=[InterruptAfter(at=5)])
     run_dir = Path(job.logging.run_dir)
     for name, cut in (("metrics.jsonl", 25), ("goodput.jsonl", 25)):  # killed mid-write
         data = (run_dir / name).read_bytes()
