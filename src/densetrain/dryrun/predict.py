@@ -52,6 +52,20 @@ def _evaluate(job: JobConfig, world_size: int) -> dict:
                            settings, trainer_rules=False)
 
 
+def _rank_memory(job: JobConfig, world_size: int, pp_rank: int):
+    """(model config, layout columns, settings, the planner's memory columns) of pipeline rank
+    ``pp_rank``'s own stage."""
+    from densetrain.planner.layout import LayoutColumns
+    from densetrain.planner.memory import memory_columns
+
+    layout, settings = _layout_and_settings(job, world_size)
+    cols = LayoutColumns.from_layouts([layout])
+    cfg = job.build_model_config()
+    mem = memory_columns(cfg, job.data.seq_len, job.training.global_batch_size, cols, settings,
+                         pp_rank=pp_rank)
+    return cfg, cols, settings, mem
+
+
 def planner_memory(job: JobConfig, world_size: int, pp_rank: int | None = None
                    ) -> dict[str, float]:
     """Predicted bytes per device (``params``, ``grads``, ``optimizer``, ``activations``,
@@ -60,13 +74,7 @@ def planner_memory(job: JobConfig, world_size: int, pp_rank: int | None = None
     keys = ("params", "grads", "optimizer", "activations", "head", "buffers", "optimizer_step",
             "total")
     if pp_rank is not None:
-        from densetrain.planner.layout import LayoutColumns
-        from densetrain.planner.memory import memory_columns
-
-        layout, settings = _layout_and_settings(job, world_size)
-        mem = memory_columns(job.build_model_config(), job.data.seq_len,
-                             job.training.global_batch_size, LayoutColumns.from_layouts([layout]),
-                             settings, pp_rank=pp_rank)
+        mem = _rank_memory(job, world_size, pp_rank)[3]
         return {key: float(mem[key][0]) for key in keys}
     metrics = _evaluate(job, world_size)
     return {key: metrics[f"mem_{key}"] for key in keys}
@@ -90,14 +98,8 @@ def planner_comm(job: JobConfig, world_size: int, pp_rank: int | None = None
     else:  # the rank's own stage (its layers and parameters), not the fullest
         from densetrain.planner.comm import comm_columns
         from densetrain.planner.hardware import get_cluster
-        from densetrain.planner.layout import LayoutColumns
-        from densetrain.planner.memory import memory_columns
 
-        layout, settings = _layout_and_settings(job, world_size)
-        cols = LayoutColumns.from_layouts([layout])
-        cfg = job.build_model_config()
-        mem = memory_columns(cfg, job.data.seq_len, job.training.global_batch_size, cols,
-                             settings, pp_rank=pp_rank)
+        cfg, cols, settings, mem = _rank_memory(job, world_size, pp_rank)
         comm = comm_columns(cfg, job.data.seq_len, cols, settings, get_cluster("h100-80gb"), mem)
         out = {kind: float(comm[f"{kind}_bytes"][0]) for kind in COMM_KINDS}
     par = job.parallel
