@@ -7,6 +7,7 @@ from pathlib import Path
 
 from densetrain.data.config import DataConfig
 from densetrain.data.default_corpus import default_corpus_dir, ensure_default_corpus
+from densetrain.data.remote import RemoteDatasetError, resolve_dataset
 from densetrain.data.shards import TokenStore, load_dataset_tokenizer, load_metadata
 from densetrain.data.stream import BatchStream
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer
@@ -60,8 +61,14 @@ def job_tokenizer(cfg: DataConfig, *, source: str | Path) -> Tokenizer:
     Without them, ``data.tokenizer`` (when set) is the job's tokenizer; otherwise a tokenizer
     that is no longer there is an error naming the paths and ``--tokenizer``.
     """
-    paths = [Path(p) for p in cfg.datasets] or [default_corpus_dir(**_corpus_settings(cfg))]
-    missing = [p for p in paths if not p.is_dir()]
+    paths, missing = [], []
+    for entry in cfg.datasets:
+        try:
+            paths.append(resolve_dataset(entry, cfg).root)  # a URL: its metadata fetched
+        except RemoteDatasetError:  # gone from the store, or the store out of reach
+            missing.append(entry)
+    paths = paths or ([] if missing else [default_corpus_dir(**_corpus_settings(cfg))])
+    missing += [p for p in paths if not p.is_dir()]
     named = Path(cfg.tokenizer) if cfg.tokenizer else None
     if named is not None and not named.exists() or named is None and missing:
         gone = [named] if named is not None else missing
@@ -92,14 +99,22 @@ def _stream(cfg: DataConfig, stores, weights, names, dp_rank: int, dp_size: int)
 def build_data(cfg: DataConfig, *, dp_rank: int = 0, dp_size: int = 1) -> DataBundle:
     """Open (or, for the default corpus, first prepare) the datasets and build the streams."""
     cfg.validate()
-    paths = [Path(p) for p in cfg.datasets] or [ensure_default_corpus(**_corpus_settings(cfg))]
+    sources = [resolve_dataset(p, cfg) for p in cfg.datasets]  # a URL: `data.remote`
+    paths = [s.root for s in sources] or [ensure_default_corpus(**_corpus_settings(cfg))]
+    remotes = [s.remote for s in sources] or [None]
     metas = [load_metadata(p) for p in paths]
     tokenizer = _dataset_tokenizer(paths, metas, cfg.tokenizer)
     weights = list(cfg.weights) if cfg.weights else [1.0] * len(paths)
-    names = [str(p) for p in paths]
+    names = [s.name for s in sources] or [str(p) for p in paths]
+
+    def store(i: int, split: str) -> TokenStore:
+        remote = remotes[i]
+        return TokenStore(paths[i], split, metas[i],
+                          remote=remote.split(split) if remote is not None else None)
+
     train = _stream(
         cfg,
-        [TokenStore(p, "train", m) for p, m in zip(paths, metas, strict=True)],
+        [store(i, "train") for i in range(len(paths))],
         weights,
         names,
         dp_rank,
@@ -115,7 +130,7 @@ def build_data(cfg: DataConfig, *, dp_rank: int = 0, dp_size: int = 1) -> DataBu
         if with_val and sum(weights[i] for i in with_val) > 0:
             val = _stream(
                 cfg,
-                [TokenStore(paths[i], "val", metas[i]) for i in with_val],
+                [store(i, "val") for i in with_val],
                 [weights[i] for i in with_val],
                 [names[i] for i in with_val],
                 dp_rank,

@@ -8,9 +8,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from densetrain.data.config import DataConfig
+from densetrain.data.remote import resolve_dataset
 from densetrain.data.shards import load_dataset_tokenizer, load_metadata
 from densetrain.errors import UserError
 
@@ -30,7 +30,11 @@ def data_vocabulary(cfg: DataConfig) -> DataVocabulary:
     a missing, incomplete or damaged dataset is named here."""
     metas = []
     for path in cfg.datasets:
-        root = Path(path)
+        source = resolve_dataset(path, cfg)  # a URL is opened: `data.remote`
+        if source.remote is not None:
+            metas.append((source.root, source.remote.meta))
+            continue
+        root = source.root
         if not root.is_dir():
             what = "is a file, not a directory" if root.exists() else "does not exist"
             raise FileNotFoundError(

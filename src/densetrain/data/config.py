@@ -28,8 +28,11 @@ class DataConfig:
         use_val: build a validation stream from the datasets' validation split when present.
         tokenizer: optional tokenizer path the run expects; prepared datasets must have been
             tokenized with the same tokenizer (same fingerprint). Empty: use the datasets' own.
-        cache_dir: cache of the default corpus; empty means ``$DENSETRAIN_CACHE`` or
-            ``~/.cache/densetrain``.
+        cache_dir: cache of the default corpus and of datasets under a URL (``remote/``);
+            empty means ``$DENSETRAIN_CACHE`` or ``~/.cache/densetrain``.
+        cache_max_bytes: most bytes of token shards fetched from datasets under a URL
+            (``s3://bucket/prefix``) that this process keeps in ``cache_dir``; the least
+            recently used are deleted to make room (``data.remote``).
         default_vocab_size: vocabulary size of the tokenizer trained on the default corpus.
         default_max_files: use only the first N standard-library files (sorted); 0 = all.
         default_val_fraction: share of default-corpus documents held out for validation.
@@ -44,6 +47,7 @@ class DataConfig:
     use_val: bool = True
     tokenizer: str = ""
     cache_dir: str = ""
+    cache_max_bytes: int = 20 << 30
     default_vocab_size: int = 8192
     default_max_files: int = 0
     default_val_fraction: float = 0.02
@@ -52,6 +56,16 @@ class DataConfig:
         """Raise ``ValueError`` naming the first invalid field."""
         if self.seq_len < 1:
             raise ValueError(f"data.seq_len must be >= 1, got {self.seq_len}")
+        from densetrain.storage_url import url_problem  # torch-free, touches no server
+
+        for i, entry in enumerate(self.datasets):
+            problem = url_problem(f"data.datasets[{i}]", entry)
+            if problem is not None:
+                raise ValueError(problem)
+        if isinstance(self.cache_max_bytes, bool) or not (
+                isinstance(self.cache_max_bytes, int) and self.cache_max_bytes > 0):
+            raise ValueError(f"data.cache_max_bytes must be an integer number of bytes > 0, got "
+                             f"{self.cache_max_bytes!r}")
         if self.weights:
             if self.datasets and len(self.weights) != len(self.datasets):
                 raise ValueError(

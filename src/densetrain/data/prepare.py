@@ -487,6 +487,7 @@ def prepare_dataset(
     progress: bool = False,
 ) -> dict | None:
     """Prepare ``inputs`` into ``output_dir``; return the metadata, or None if stopped early.
+    ``output_dir`` may be a URL (``s3://bucket/prefix``): `data.remote.prepare_to_url`.
 
     ``max_shards`` > 0 stops after that many commits (rerun to continue). A rerun over an
     interrupted directory resumes; a complete one raises unless ``overwrite``, which builds the
@@ -494,6 +495,13 @@ def prepare_dataset(
     ``ValueError``: a malformed line, nothing left after filtering) removes what it wrote, as a
     rerun would fail the same way; an interrupted one (a signal, a full disk) can be resumed.
     """
+    from densetrain.data.remote import local_dataset_path, prepare_to_url
+
+    if local_dataset_path(str(output_dir)) is None:  # a URL: prepared here, then uploaded
+        return prepare_to_url(prepare_dataset, inputs, str(output_dir), tokenizer=tokenizer,
+                              cfg=cfg, overwrite=overwrite, max_shards=max_shards,
+                              progress=progress)
+    output_dir = local_dataset_path(str(output_dir))
     cfg = cfg or PrepareConfig()
     cfg.validate()
     if max_shards < 0:

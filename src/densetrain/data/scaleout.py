@@ -247,6 +247,12 @@ def prepare_dataset_parallel(
     rerunning the same call resumes), or `UserError` for an error in the input (the work in
     progress is removed: a rerun would meet it again).
     """
+    from densetrain.data.remote import local_dataset_path, prepare_to_url
+
+    if local_dataset_path(str(output_dir)) is None:  # a URL: prepared here, then uploaded
+        return prepare_to_url(prepare_dataset_parallel, inputs, str(output_dir),
+                              tokenizer=tokenizer, cfg=cfg, workers=workers, overwrite=overwrite)
+    output_dir = local_dataset_path(str(output_dir))
     cfg = cfg or PrepareConfig()
     workers = resolve_workers(workers)
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
@@ -315,6 +321,12 @@ def prepare_dataset_distributed(
 
     import torch.distributed as dist
 
+    from densetrain.data.remote import is_url
+
+    if is_url(str(output_dir)):
+        raise UserError(f"--output {output_dir}: --distributed writes to a file system every rank "
+                        "sees, not a URL; prepare with --workers N and --output URL, or upload "
+                        "the prepared directory")
     cfg = cfg or PrepareConfig()
     from densetrain.parallel.distributed import env_local_world_size
 

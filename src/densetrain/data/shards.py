@@ -276,13 +276,15 @@ def load_dataset_tokenizer(root: str | os.PathLike, meta: dict):
     return tokenizer
 
 
-def _check_shard_cheaply(root: Path, entry: dict, itemsize: int) -> np.ndarray:
-    """Size and first bytes of the token file, hash of the index; the document lengths."""
+def _check_shard_cheaply(root: Path, entry: dict, itemsize: int,
+                         tokens_too: bool = True) -> np.ndarray:
+    """Size and first bytes of the token file, hash of the index; the document lengths.
+    ``tokens_too=False``: the index only (a remote shard, hashed whole when fetched)."""
     path, docs_path = root / entry["file"], root / entry["docs"]
     expected = entry["num_tokens"] * itemsize
-    if not path.is_file():
+    if tokens_too and not path.is_file():
         raise DamagedFileError(f"shard {path} is missing ({root / META_FILE} lists it)")
-    if path.stat().st_size != expected:
+    if tokens_too and path.stat().st_size != expected:
         raise DamagedFileError(
             f"shard {path} holds {path.stat().st_size} bytes, {root / META_FILE} says {expected}; "
             "the file is truncated or from another dataset: prepare the dataset again"
@@ -291,9 +293,11 @@ def _check_shard_cheaply(root: Path, entry: dict, itemsize: int) -> np.ndarray:
         raise DamagedFileError(f"document index {docs_path} is missing")
     docs = docs_path.read_bytes()
     if "sha256" in entry:  # absent in FORMAT_WITHOUT_CHECKSUMS datasets (warned at load)
-        with open(path, "rb") as f:
-            head = f.read(HEAD_BYTES)
-        for name, data, key in ((path, head, "head_sha256"), (docs_path, docs, "docs_sha256")):
+        checks = [(docs_path, docs, "docs_sha256")]
+        if tokens_too:
+            with open(path, "rb") as f:
+                checks.append((path, f.read(HEAD_BYTES), "head_sha256"))
+        for name, data, key in checks:
             if _sha256(data) != entry[key]:
                 raise DamagedFileError(
                     f"{name} does not match its checksum in {root / META_FILE} ({key}); the "
@@ -364,25 +368,32 @@ class TokenStore:
     all shards; ``doc_starts`` holds each document's start offset in that stream.
     """
 
-    def __init__(self, root: str | os.PathLike, split: str, meta: dict | None = None) -> None:
+    def __init__(self, root: str | os.PathLike, split: str, meta: dict | None = None,
+                 remote=None) -> None:
+        """``remote``: a `data.remote.RemoteSplit` when ``root`` holds only the metadata and
+        document indexes of a dataset under a URL; its token shards are then read through it
+        (fetched, verified and cached on first use)."""
         self.root = Path(root)
         self.meta = meta if meta is not None else load_metadata(root)
         self.split = split
+        self.remote = remote
         self.dtype = np.dtype(self.meta["dtype"])
         self.vocab_size = int(self.meta["tokenizer"]["vocab_size"])
         """Ids of the dataset's tokenizer; every stored id is below it (`check_ids`)."""
         shards = self.meta["splits"].get(split, {}).get("shards", [])
-        self._files = [self.root / entry["file"] for entry in shards]
-        self._arrays: list[np.ndarray] = []
+        self._files = ([remote.name(i) for i in range(len(shards))] if remote is not None
+                       else [self.root / entry["file"] for entry in shards])
+        self._arrays: list[np.ndarray | None] = []
         doc_lengths: list[np.ndarray] = []
         for entry in shards:  # max_token_id < vocab_size <= the dtype's range: check_metadata
-            doc_lengths.append(_check_shard_cheaply(self.root, entry, self.dtype.itemsize))
+            doc_lengths.append(_check_shard_cheaply(self.root, entry, self.dtype.itemsize,
+                                                    tokens_too=remote is None))
             path = self.root / entry["file"]
             self._arrays.append(
-                np.memmap(path, dtype=self.dtype, mode="r") if entry["num_tokens"] else
-                np.zeros(0, dtype=self.dtype)
+                np.zeros(0, dtype=self.dtype) if not entry["num_tokens"] else
+                None if remote is not None else np.memmap(path, dtype=self.dtype, mode="r")
             )
-        sizes = np.array([len(a) for a in self._arrays], dtype=np.int64)
+        sizes = np.array([entry["num_tokens"] for entry in shards], dtype=np.int64)
         self._shard_starts = np.concatenate([[0], np.cumsum(sizes)])
         self.num_tokens = int(self._shard_starts[-1])
         lengths = np.concatenate(doc_lengths) if doc_lengths else np.zeros(0, dtype=np.int64)
@@ -409,11 +420,26 @@ class TokenStore:
         filled = 0
         while filled < length:
             offset = start + filled - int(self._shard_starts[shard])
-            take = min(length - filled, len(self._arrays[shard]) - offset)
-            out[filled : filled + take] = self._arrays[shard][offset : offset + take]
+            array = self._arrays[shard]
+            if array is None:
+                array = self.remote.array(shard)
+            take = min(length - filled, len(array) - offset)
+            out[filled : filled + take] = array[offset : offset + take]
             filled += take
             shard += 1
         return out
+
+    def prefetch(self, starts: list[int], length: int) -> None:
+        """Start fetching, in the background, the remote shards that reads of ``length`` tokens
+        from ``starts`` need (nothing for a local dataset)."""
+        if self.remote is None or not starts:
+            return
+        at = np.asarray(starts, dtype=np.int64)
+        first = np.searchsorted(self._shard_starts, at, side="right") - 1
+        last = np.searchsorted(self._shard_starts, at + length - 1, side="right") - 1
+        needed = sorted({s for a, b in zip(first.tolist(), last.tolist(), strict=True)
+                         for s in range(a, b + 1) if self._arrays[s] is None})
+        self.remote.prefetch(needed)
 
     def locate(self, position: int) -> tuple[Path, int]:
         """The shard file holding token ``position`` of the stream, and its token offset there."""

@@ -179,7 +179,23 @@ class BatchStream:
         start = self.next_start(global_batch_size)
         batch = self.batch_at(start, global_batch_size)
         self.consumed_sequences = start + global_batch_size
+        if any(store.remote is not None for store in self.stores):
+            self._prefetch(self.next_start(global_batch_size), global_batch_size)
         return batch
+
+    def _prefetch(self, start: int, global_batch_size: int) -> None:
+        """Ask remote sources for the shards of this rank's rows of the batch at ``start``
+        (fetched in the background while the step runs: `data.remote`)."""
+        if global_batch_size % self.dp_size:
+            return  # batch_at refuses it when read
+        local = global_batch_size // self.dp_size
+        warned = set(self._warned)  # the read itself warns about epochs, not a lookahead
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RepetitionWarning)
+            rows = self._rows(start + self.dp_rank * local, local)
+        self._warned = warned
+        for source, store in enumerate(self.stores):
+            store.prefetch([offset for s, offset in rows if s == source], self.seq_len + 1)
 
     def iter_eval(self, num_batches: int, batch_size: int) -> Iterator[Batch]:
         """A fixed set of batches (the first ``num_batches`` of the order); state untouched."""

@@ -4,7 +4,6 @@ refusals, save and bit-exact resume through `train`, a damaged newest checkpoint
 from __future__ import annotations
 
 import importlib.util
-import socket
 
 import pytest
 
@@ -44,40 +43,6 @@ def test_file_url_is_the_local_directory(make_job, tmp_path) -> None:
                    "--eval.sample_tokens=0", f"--checkpoint.dir=file://{where}")
     train(job)
     assert [s for s, _ in list_checkpoints(where)] == [4]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture
-def s3(monkeypatch):
-    """A moto S3 server on localhost, reached through the standard AWS variables; yields an
-    fsspec S3 filesystem with the bucket ``ckpt`` created."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1",
-                       "AWS_ENDPOINT_URL": f"http://{host}:{port}"}.items():
-        monkeypatch.setenv(key, value)
-    import urllib.request
-
-    import s3fs
-
-    reset = urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")
-    urllib.request.urlopen(reset).close()  # moto keeps its buckets per process: start empty
-
-    s3fs.S3FileSystem.clear_instance_cache()
-    fs = s3fs.S3FileSystem()
-    fs.mkdir("ckpt")
-    yield fs
-    s3fs.S3FileSystem.clear_instance_cache()
-    server.stop()
 
 
 _STEPS = ["--training.steps=6", "--checkpoint.interval=2", "--eval.interval=0",
