@@ -4,6 +4,8 @@ Library functions raise `UserError` (a ``ValueError``, so callers that catch ``V
 working) — or ``ValueError`` / ``OSError`` with a message naming the file, line or field, what
 was wrong and what is allowed. The ``densetrain`` command line (``cli/main.py``) turns every
 such error into one line on stderr and a non-zero exit; ``--debug`` shows the traceback.
+`RankFailure` (a peer rank died or stopped) is printed the same way, with an exit status of its
+own.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ class UnsafeFileError(UserError):
 
 class DamagedFileError(UserError):
     """A file densetrain wrote is truncated, corrupted or does not match its recorded checksum."""
+
+
+class RankFailure(RuntimeError):
+    """Another rank of the job died or stopped: an operational failure, not a bug nor bad input.
+    The message names the lost rank(s) when their heartbeats tell (``parallel/heartbeat.py``);
+    the command line prints it as one line and exits with its own status, so that a scheduler
+    can tell "restart, perhaps without that host" from a crash."""
 
 
 # Exceptions whose message is written for the user: printed without a traceback.

@@ -7,9 +7,11 @@ an exit code) on each sub-parser. Heavy imports happen inside the command functi
 
 Errors: `main` is the one place where a command's exceptions are caught. An error about the
 input (``densetrain.errors.USER_ERROR_TYPES``: ``ValueError``/``UserError``, ``OSError``, ...)
-prints one line ``densetrain <command>: error: <message>`` and exits 2; any other exception
-prints one line naming its type and exits 1. ``--debug`` (anywhere on the command line) prints
-the traceback instead.
+prints one line ``densetrain <command>: error: <message>`` and exits 2; a lost peer rank
+(``densetrain.errors.RankFailure``: a failed collective, named from the ranks' heartbeats)
+prints one line naming the lost rank and exits `EXIT_RANK_FAILURE`; any other exception prints
+one line naming its type and exits 1. ``--debug`` (anywhere on the command line) prints the
+traceback as well.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import traceback
 DEBUG_FLAG = "--debug"
 EXIT_USER_ERROR = 2
 EXIT_INTERNAL_ERROR = 1
+EXIT_RANK_FAILURE = 4  # another rank died or stopped (docs/reliability.md, "Lost ranks")
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader left
 
 _COMMAND_MODULES = {
@@ -135,12 +138,39 @@ def _command_name(args: argparse.Namespace) -> str:
     return " ".join(w for w in words if w) or "densetrain"
 
 
+def _as_rank_failure(error: BaseException) -> BaseException:
+    """A backend's raw error from a collective outside the training step (a fault check, a
+    checkpoint save) as the `CollectiveError` naming the lost rank; else ``error`` itself.
+    Only where this process ran a multi-rank job (its heartbeat still runs), and without
+    importing torch when the command never did."""
+    if "torch.distributed" not in sys.modules or not isinstance(error, RuntimeError):
+        return error
+    from densetrain.parallel.distributed import (
+        CollectiveError,
+        collective_error,
+        is_collective_failure,
+    )
+    from densetrain.parallel.heartbeat import current_heartbeat
+
+    if isinstance(error, CollectiveError) or current_heartbeat() is None \
+            or not is_collective_failure(error):
+        return error
+    converted = collective_error(error)
+    converted.__cause__ = error
+    return converted
+
+
 def report_error(error: BaseException, command: str, *, debug: bool) -> int:
     """Print ``error`` for the user (one line, or the traceback with ``debug``); the exit code."""
-    from densetrain.errors import USER_ERROR_TYPES, describe_error
+    from densetrain.errors import USER_ERROR_TYPES, RankFailure, describe_error
 
+    error = _as_rank_failure(error)
     if debug:
         traceback.print_exception(type(error), error, error.__traceback__)
+    if isinstance(error, RankFailure):
+        print(f"densetrain {command}: error: {describe_error(error)}", file=sys.stderr,
+              flush=True)
+        return EXIT_RANK_FAILURE
     user_error = isinstance(error, USER_ERROR_TYPES)
     message = describe_error(error)
     if not user_error:

@@ -3,11 +3,14 @@
 torchrun (single node: ``--standalone``; multi-node: ``--rdzv-backend=c10d``) sets ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK`` and the rendezvous address; `init_distributed` reads them and
 starts NCCL on CUDA or gloo on CPU with a collective timeout, so a rank that dies or hangs makes
-the others fail after ``timeout_s`` instead of waiting forever.
+the others fail after ``timeout_s`` instead of waiting forever. Each rank of a multi-process job
+also runs a heartbeat (`densetrain.parallel.heartbeat`), so that a failed collective names the
+rank that died or stopped, not only the rank that noticed.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -17,6 +20,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from densetrain.errors import RankFailure
+from densetrain.parallel import heartbeat
+
+logger = logging.getLogger(__name__)
 
 @dataclass(kw_only=True, frozen=True)
 class DistInfo:
@@ -33,8 +40,14 @@ class DistInfo:
         return self.device.type
 
 
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out; the message names the rank and the training step."""
+class CollectiveError(RankFailure):
+    """A collective failed or timed out; the message names this rank and the training step, and
+    the lost peer(s) as their heartbeats tell. The backend's own text is in ``backend_error``
+    (and the chained exception), not in the message: it names neither rank nor step."""
+
+    def __init__(self, message: str, backend_error: str = "") -> None:
+        super().__init__(message)
+        self.backend_error = backend_error
 
 
 def _env_int(name: str, default: int) -> int:
@@ -100,6 +113,7 @@ def init_distributed(*, timeout_s: float = 600.0, device_type: str | None = None
     else:
         device = torch.device("cpu")
     if dist.is_initialized():
+        heartbeat.start_heartbeat()
         return DistInfo(
             rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
             device=device,
@@ -112,11 +126,13 @@ def init_distributed(*, timeout_s: float = 600.0, device_type: str | None = None
             timeout=timedelta(seconds=timeout_s),
             device_id=device if device_type == "cuda" else None,
         )
+        heartbeat.start_heartbeat()
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
 def destroy_distributed() -> None:
-    """Tear down the default process group if one is running."""
+    """Tear down the default process group (and this rank's heartbeat) if one is running."""
+    heartbeat.stop_heartbeat()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -134,18 +150,38 @@ def is_collective_failure(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(m in str(err) for m in _BACKEND_MARKERS)
 
 
+def collective_error(err: BaseException, step: int | None = None) -> CollectiveError:
+    """`CollectiveError` for the failed collective ``err``: this rank, ``step`` (default: the
+    step of this rank's heartbeat) and the lost peer(s) as the heartbeats tell. Reading them
+    takes `heartbeat.OBSERVE_S` seconds, long enough for a dead rank's heartbeat to fall
+    silent while the living keep beating. The backend's text goes to the log (debug level)."""
+    beat = heartbeat.current_heartbeat()
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    elif beat is not None:
+        rank, world = beat.rank, beat.world_size
+    else:
+        rank, world = 0, 1
+    if step is None:
+        step = beat.step if beat is not None else 0
+    raw = str(err).strip()
+    logger.debug("rank %d: collective failed at step %d: %s", rank, step, raw)
+    who = beat.explain() if beat is not None else "a peer rank died, hung or diverged"
+    return CollectiveError(
+        f"rank {rank} of {world} failed at step {step}: a collective did not complete: {who}",
+        backend_error=raw,
+    )
+
+
 @contextmanager
 def collective_step(step: int) -> Iterator[None]:
     """Re-raise a failed or timed-out collective inside the block as `CollectiveError` naming
-    this rank and ``step`` (the original error is chained)."""
+    this rank, ``step`` and the lost peer (the original error is chained). The step is this
+    rank's heartbeat's step from here on."""
+    heartbeat.note_step(step)
     try:
         yield
     except RuntimeError as err:
         if isinstance(err, CollectiveError) or not is_collective_failure(err):
             raise
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        raise CollectiveError(
-            f"rank {rank} of {world} failed at step {step}: a collective did not complete "
-            f"(a peer rank died, hung or diverged): {err}"
-        ) from err
+        raise collective_error(err, step) from err

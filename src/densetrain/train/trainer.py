@@ -395,7 +395,10 @@ def _shutdown_process_group(succeeded: bool) -> None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return
+    from densetrain.parallel.heartbeat import stop_heartbeat
+
     if succeeded:
         dist.barrier()
+        stop_heartbeat()  # after an error it runs on: the error report reads the heartbeats
     dist.destroy_process_group()
     gc.collect()

@@ -7,7 +7,9 @@ reach it, so the watchdog's own thread reports and exits the process (``os._exit
 `HANG_EXIT_CODE`; the launcher (torchrun) then stops the other ranks. Every rank runs one: the
 rank that stalled shows where in its stack, the ranks waiting for it show the collective.
 ``faulthandler`` writes the stacks (the standard library's dump of every thread; a blocking
-collective has released the GIL, so the watchdog thread runs).
+collective has released the GIL, so the watchdog thread runs). In a multi-rank job the message
+names the rank that stopped or is stuck, from the ranks' heartbeats
+(`densetrain.parallel.heartbeat`; watching them adds a few seconds before the exit).
 """
 
 from __future__ import annotations
@@ -114,8 +116,8 @@ class HangWatchdog:
             f"hang watchdog: rank {self.rank} has spent {elapsed:.1f} s in step {step} "
             f"({phase}), more than its limit of {limit:.1f} s (faults.hang_factor={self.factor}"
             f" × the recent median {median:.3f} s, at least faults.hang_min_seconds="
-            f"{self.min_seconds}); a rank stalled or a collective waits for one. Every "
-            f"thread's Python stack follows; the process exits with status {HANG_EXIT_CODE}."
+            f"{self.min_seconds}); {_who_stalled()}. Every thread's Python stack follows; "
+            f"the process exits with status {HANG_EXIT_CODE}."
         )
         print(message, file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
@@ -128,3 +130,17 @@ class HangWatchdog:
         finally:
             sys.stderr.flush()
             os._exit(HANG_EXIT_CODE)
+
+
+def _who_stalled() -> str:
+    """The rank(s) that stopped or are stuck, as the heartbeats tell (this process's own
+    heartbeat, when a multi-rank job runs one)."""
+    from densetrain.parallel.heartbeat import current_heartbeat
+
+    beat = current_heartbeat()
+    if beat is None:
+        return "a rank stalled or a collective waits for one"
+    try:
+        return f"heartbeats: {beat.explain()}"
+    except Exception as err:  # the watchdog must exit whatever the heartbeats hold
+        return f"a rank stalled or a collective waits for one (heartbeats unreadable: {err})"
