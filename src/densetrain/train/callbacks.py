@@ -270,12 +270,16 @@ class Checkpointer(Callback):
     step. A failed save (a full disk, say) then ends the run with one `CheckpointError` line
     (``on_save_error="stop"``) or prints one warning line and trains on, the next save being
     tried as usual (``"continue"``).
+
+    ``interval="auto"``: ``auto`` (an `AutoInterval`) chooses the cadence from the measured save
+    stall, step time and failure history (checkpoint/interval.py).
     """
 
-    def __init__(self, *, interval: int, keep_last: int, save_final: bool,
+    def __init__(self, *, interval: int | str, keep_last: int, save_final: bool,
                  async_save: bool = False, timeout_s: float = 600.0,
-                 on_save_error: str = "stop") -> None:
+                 on_save_error: str = "stop", auto: Any = None) -> None:
         self.interval = interval
+        self.auto = auto
         self.keep_last = keep_last
         self.save_final = save_final
         self.async_save = async_save
@@ -296,6 +300,8 @@ class Checkpointer(Callback):
             parts.checkpoint_dir, config_toml=parts.config_toml, keep_last=self.keep_last,
             async_save=self.async_save, timeout_s=self.timeout_s,
         )
+        if self.auto is not None:
+            self.auto.start(parts, progress.step)
 
     def _guarded(self, action: Any) -> None:
         """Run a writer ``action``; a failed save stops the run or is reported and passed over,
@@ -347,12 +353,28 @@ class Checkpointer(Callback):
     def on_rollback(self, parts: RunParts, progress: Progress) -> None:
         """The checkpoints after the restored step were deleted; forget the newest one."""
         self.last_checkpoint = ""
+        if self.auto is not None:
+            self.auto.rolled_back(progress.step)
 
     def on_step_end(self, parts: RunParts, progress: Progress, report: StepReport) -> None:
         """Report a background save that ended; save on the cadence."""
+        if self.auto is not None:
+            self._auto_step(parts, progress)
+            return
         self._collect_settled()
         if progress.step % self.interval == 0:
             self._save(parts, progress)
+
+    def _auto_step(self, parts: RunParts, progress: Progress) -> None:
+        """`on_step_end` of ``interval="auto"``: the stall of a cadence save is timed (all of
+        this hook's time the loop is blocked) and the interval decided again."""
+        self.auto.iteration_started()
+        self._collect_settled()
+        if self.auto.due(progress.step):
+            start = time.perf_counter()
+            self._save(parts, progress)
+            self.auto.saved(progress.step, time.perf_counter() - start)
+        self.auto.iteration_ended()
 
     def on_train_end(self, parts: RunParts, progress: Progress) -> None:
         """Save the final state (a step just saved is not saved again) and wait for it."""
@@ -360,15 +382,22 @@ class Checkpointer(Callback):
             self._save(parts, progress, wait=True)
         else:
             self._guarded(self.writer.wait)
+        if self.auto is not None:
+            self.auto.end("finished")
 
     def on_preempt(self, parts: RunParts, progress: Progress) -> None:
         """A stop signal arrived: save this step and wait until it is complete."""
         self._save(parts, progress, wait=True)
+        if self.auto is not None:
+            self.auto.end("preempted")
 
     def summary(self) -> dict[str, Any]:
         """The newest complete checkpoint written by this process."""
         last = self.writer.last_path if self.writer is not None else None
-        return {"checkpoint": str(last) if last is not None else ""}
+        entries = {"checkpoint": str(last) if last is not None else ""}
+        if self.auto is not None:
+            entries.update(self.auto.summary())
+        return entries
 
     def flush(self) -> None:
         """Wait until a save still being written is complete."""

@@ -35,6 +35,7 @@ from densetrain.config.job import JobConfig
 from densetrain.errors import UserError, describe_error
 from densetrain.optim.interface import layout_of_saved_keys
 from densetrain.parallel.distributed import collective_step
+from densetrain.train.auto_interval import auto_interval
 from densetrain.train.callbacks import Callback, Checkpointer, LossPlot, MetricsLogger, Sampler
 from densetrain.train.evaluation import Evaluator
 from densetrain.train.faults import FaultGuard, build_replica_check
@@ -59,7 +60,8 @@ def default_callbacks(job: JobConfig) -> list[Callback]:
                                       save_final=job.checkpoint.save_final,
                                       async_save=job.checkpoint.async_save,
                                       timeout_s=job.parallel.collective_timeout_s,
-                                      on_save_error=job.checkpoint.on_save_error))
+                                      on_save_error=job.checkpoint.on_save_error,
+                                      auto=auto_interval(job.checkpoint)))
     if job.logging.plot:
         callbacks.append(LossPlot())
     return callbacks

@@ -33,7 +33,7 @@ def _job(*overrides: str) -> JobConfig:
     (["--training.device=tpu"], r"training.device must be"),
     (["--schedule.name=wsd", "--schedule.decay_fraction=0.95"], r"wsd decay steps 285"),
     (["--schedule.min_lr_ratio=1.5"], r"schedule.min_lr_ratio must be in \[0, 1\]"),
-    (["--checkpoint.interval=0"], r"checkpoint.interval must be an integer >= 1, got 0"),
+    (["--checkpoint.interval=0"], r"checkpoint.interval must be 'auto' or an integer >= 1, got 0"),
     (["--model.preset=tiny-lama"], r"unknown model preset 'tiny-lama'.*tiny-llama"),
     (["--data.seq_len=512"], r"data.seq_len=512 exceeds the model's max_seq_len=256"),
     (["--schedule.batch_ramp_start=8", "--schedule.batch_ramp_tokens=9"],
