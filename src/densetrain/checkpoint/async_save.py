@@ -15,7 +15,10 @@ were.
 The background collectives (DCP's plan/finish and the seal) run on a dedicated gloo group, never
 on the training group, so they cannot interleave with the training collectives. With
 ``async_save=False`` the same object saves synchronously, so the caller has one interface.
-Under a URL (``s3://...``, objstore.py) saves are synchronous whatever ``async_save`` says.
+Under a URL (``s3://...``, objstore.py) there is no ``.tmp`` to rename: DCP's fsspec writer puts
+the shards straight under ``step-N/`` in the background, and the seal then writes config and
+manifest (last) with `objstore.seal`; a failed background save leaves a prefix without a
+manifest, which is never taken as a checkpoint (rank 0 deletes it, best effort).
 """
 
 from __future__ import annotations
@@ -69,8 +72,7 @@ class AsyncCheckpointer:
         self.root: Any = str(directory).rstrip("/") if self.remote else Path(directory)
         self.config_toml = config_toml
         self.keep_last = keep_last
-        self.async_save = async_save and not self.remote
-        async_save = self.async_save
+        self.async_save = async_save
         self.group = collective.new_cpu_group(timeout_s) if async_save else None
         self._executor = ThreadPoolExecutor(1, "checkpoint-seal") if async_save else None
         self._pending: Future | None = None
@@ -87,8 +89,7 @@ class AsyncCheckpointer:
         tree = materialise(state)
         check_finite(tree, "model", step)
         if self.remote:
-            self.last_path = objstore.save(self.root, step, tree, config_toml=self.config_toml,
-                                           keep_last=self.keep_last)
+            self._save_remote(step, tree)
             self.stall_seconds.append(time.perf_counter() - start)
             return
         tmp = begin_save(self.root, step)
@@ -100,6 +101,45 @@ class AsyncCheckpointer:
         else:
             self._start(_own_objects(tree), tmp, step)
         self.stall_seconds.append(time.perf_counter() - start)
+
+    def _save_remote(self, step: int, tree: dict[str, Any]) -> None:
+        if not self.async_save:
+            self.last_path = objstore.save(self.root, step, tree, config_toml=self.config_toml,
+                                           keep_last=self.keep_last)
+            return
+        final, skip = objstore.begin(self.root, step, self.group)
+        if skip:
+            self.last_path = final
+            return
+        try:
+            collective.quiet_single_process_notice()
+            written = dcp.async_save(_own_objects(tree), storage_writer=objstore.writer(final),
+                                     process_group=self.group, no_dist=not collective.dist_on())
+        except BaseException as err:
+            self._drop_remote(final)
+            raise CheckpointError(objstore.describe_failure(err, final, step)) from err
+        assert self._executor is not None
+        self._pending = self._executor.submit(self._finish_remote, written, final, step)
+
+    def _finish_remote(self, written: Future, final: str, step: int) -> str:
+        """Background: wait for DCP's write to the store, then config and manifest."""
+        try:
+            written.result()
+        except BaseException as err:
+            self._drop_remote(final)
+            raise CheckpointError(objstore.describe_failure(err, final, step)) from err
+        return objstore.seal(self.root, final, step, config_toml=self.config_toml,
+                             keep_last=self.keep_last, group=self.group)
+
+    @staticmethod
+    def _drop_remote(final: str) -> None:
+        """Delete the manifest-less prefix of a failed save (best effort: left, it is partial
+        and skipped anyway)."""
+        if collective.rank() == 0:
+            try:
+                objstore.remove(final)
+            except Exception:
+                pass
 
     def _start(self, tree: dict[str, Any], tmp: Path, step: int) -> None:
         try:

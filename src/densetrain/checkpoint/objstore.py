@@ -12,7 +12,9 @@ A save of step N over a partial ``step-N`` prefix removes the manifest first, th
 Credentials and the endpoint come from the storage library's own settings: for S3 the standard
 AWS variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``,
 ``AWS_DEFAULT_REGION``) or ``~/.aws/config`` profiles, as every boto-based tool reads them.
-Saves to a URL are synchronous for now (``checkpoint.async_save`` applies to local disks).
+With ``checkpoint.async_save`` the shards are written in the background by
+``dcp.async_save`` through the same writer, and config and manifest follow once it has
+finished (async_save.py): the same order, so a background save is visible only when complete.
 """
 
 from __future__ import annotations
@@ -204,7 +206,7 @@ def _hash_damage(checkpoint: str, manifest: dict[str, Any]) -> list[Damage]:
     return damage
 
 
-def _remove(checkpoint: str) -> None:
+def remove(checkpoint: str) -> None:
     """Delete ``checkpoint``: its manifest first, so that a half-deleted prefix is never taken
     as complete."""
     fs, path = filesystem(checkpoint)
@@ -223,7 +225,7 @@ def prune(url: str, keep_last: int) -> list[str]:
     """Delete all but the newest ``keep_last`` checkpoints with a manifest; return them."""
     doomed = [c for _, c in list_checkpoints(url)[:-keep_last]]
     for checkpoint in doomed:
-        _remove(checkpoint)
+        remove(checkpoint)
     return doomed
 
 
@@ -237,13 +239,11 @@ def _describe(err: BaseException, url: str, step: int) -> str:
             "earlier checkpoints are untouched")
 
 
-def save(url: str, step: int, tree: Mapping[str, Any], *, config_toml: str | None,
-         keep_last: int) -> str:
-    """Write ``tree`` as ``url/step-N`` (collective): shards, config, then the manifest.
-    Returns the checkpoint URL. A ``step-N`` whose manifest exists and whose objects have the
-    listed sizes is kept as it is (the same step saved twice)."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
+def begin(url: str, step: int, group: Any = None) -> tuple[str, bool]:
+    """Ready ``url/step-N`` for a save (collective over ``group``): ``(checkpoint URL, skip)``.
+    ``skip`` is True when a ``step-N`` whose manifest exists and whose objects have the listed
+    sizes is there already (the same step saved twice); otherwise rank 0 removes whatever
+    partial prefix is there (manifest first)."""
     from densetrain.checkpoint.manager import CheckpointError
 
     final = join(url, f"step-{step:08d}")
@@ -254,19 +254,34 @@ def save(url: str, step: int, tree: Mapping[str, Any], *, config_toml: str | Non
             manifest, unreadable = _read_manifest(final)
             skip = unreadable is None and not _size_damage(final, manifest)
             if not skip:
-                _remove(final)
+                remove(final)
         except Exception as err:
             failure = _describe(err, final, step)
-    failure = collective.first_error(failure)
+    failure = collective.first_error(failure, group)
     if failure:
         raise CheckpointError(failure)
-    if collective.gather_all(skip)[0]:
-        return final
-    try:
-        collective.quiet_single_process_notice()
-        dcp.save(tree, storage_writer=FsspecWriter(final), no_dist=not collective.dist_on())
-    except BaseException as err:
-        raise CheckpointError(_describe(err, final, step)) from err
+    return final, bool(collective.gather_all(skip, group)[0])
+
+
+def writer(final: str) -> Any:
+    """DCP's fsspec storage writer for the prefix ``final`` (shards and ``.metadata``)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(final)
+
+
+def describe_failure(err: BaseException, final: str, step: int) -> str:
+    """One sentence for a save of ``final`` that failed while its shards were written."""
+    return _describe(err, final, step)
+
+
+def seal(url: str, final: str, step: int, *, config_toml: str | None, keep_last: int,
+         group: Any = None) -> str:
+    """After the shards of ``final`` are written (collective over ``group``): rank 0 writes
+    ``config.toml``, then ``manifest.json`` (last), then prunes. Returns ``final``."""
+    from densetrain.checkpoint.manager import CheckpointError
+
+    failure = None
     if collective.rank() == 0:
         try:
             fs, path = filesystem(final)
@@ -281,10 +296,28 @@ def save(url: str, step: int, tree: Mapping[str, Any], *, config_toml: str | Non
                 prune(url, keep_last)
         except Exception as err:
             failure = _describe(err, final, step)
-    failure = collective.first_error(failure)
+    failure = collective.first_error(failure, group)
     if failure:
         raise CheckpointError(failure)
     return final
+
+
+def save(url: str, step: int, tree: Mapping[str, Any], *, config_toml: str | None,
+         keep_last: int) -> str:
+    """Write ``tree`` as ``url/step-N`` (collective): shards, config, then the manifest.
+    Returns the checkpoint URL. A ``step-N`` whose manifest exists and whose objects have the
+    listed sizes is kept as it is (the same step saved twice)."""
+    from densetrain.checkpoint.manager import CheckpointError
+
+    final, skip = begin(url, step)
+    if skip:
+        return final
+    try:
+        collective.quiet_single_process_notice()
+        dcp.save(tree, storage_writer=writer(final), no_dist=not collective.dist_on())
+    except BaseException as err:
+        raise CheckpointError(_describe(err, final, step)) from err
+    return seal(url, final, step, config_toml=config_toml, keep_last=keep_last)
 
 
 def report_skipped(checkpoint: str, damage: list[Damage], more: bool) -> None:

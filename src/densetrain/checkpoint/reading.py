@@ -11,6 +11,10 @@ checked against the manifest's record of it. Nothing is trusted before that:
 
 Unlike a resume nothing is renamed: a reader does not own the run, and the run's next resume
 sets the damaged ones aside itself.
+
+``path`` may be an fsspec URL (``s3://bucket/run/checkpoints``, a run prefix holding
+``checkpoints/``, or one ``step-N`` prefix): the same rules, through `checkpoint.objstore`
+(a prefix without a manifest is a partial save, named as damaged and passed over).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 
 import tomllib
 
-from densetrain.checkpoint import collective
+from densetrain.checkpoint import collective, objstore
 from densetrain.checkpoint.manager import (
     CONFIG_FILE,
     CheckpointDamagedError,
@@ -40,7 +44,7 @@ from densetrain.errors import DamagedFileError, UserError, describe_error
 class TrainingCheckpoint:
     """A verified training checkpoint: its directory, step and the job config stored in it."""
 
-    path: Path
+    path: Path | str  # a URL string for a checkpoint on an object store
     step: int
     job: Any  # densetrain.config.JobConfig (imported lazily: config sits above checkpoint)
     config_toml: str
@@ -76,49 +80,80 @@ class TrainingCheckpoint:
         return config
 
 
-def _is_one_checkpoint(path: Path) -> bool:
+def _location(path: str | os.PathLike) -> Path | str:
+    """``path`` as the code below takes it: a URL string (no trailing slash) or a ``Path``."""
+    if objstore.is_remote(path):
+        return str(path).rstrip("/")
+    return objstore.checkpoint_location(str(path))
+
+
+def _name(path: Path | str) -> str:
+    return objstore.basename(path) if isinstance(path, str) else path.name
+
+
+def _child(path: Path | str, name: str) -> Path | str:
+    return objstore.join(path, name) if isinstance(path, str) else path / name
+
+
+def _parent(path: Path | str) -> Path | str:
+    return path.rsplit("/", 1)[0] if isinstance(path, str) else path.parent
+
+
+def _is_one_checkpoint(path: Path | str) -> bool:
     """A ``step-N`` directory, or any directory holding a checkpoint manifest (a checkpoint
     copied elsewhere under another name)."""
+    if isinstance(path, str):
+        return checkpoint_step(_name(path)) is not None or objstore.has_manifest(path)
     return path.is_dir() and (checkpoint_step(path) is not None
                               or (path / MANIFEST_FILE).is_file())
 
 
-def _step_of(path: Path) -> int:
-    step = checkpoint_step(path)
+def _manifest(path: Path | str) -> dict[str, Any] | None:
+    if isinstance(path, str):
+        return objstore._read_manifest(path)[0]
+    return read_manifest(path)[0]
+
+
+def _step_of(path: Path | str) -> int:
+    step = checkpoint_step(_name(path))
     if step is not None:
         return step
-    manifest, _ = read_manifest(path)
+    manifest = _manifest(path)
     return int(manifest["step"]) if manifest else 0
 
 
-def _candidates(path: Path) -> tuple[Path, list[tuple[int, Path]]]:
+def _candidates(path: Path | str) -> tuple[Path | str, list[tuple[int, Any]]]:
     """The directory holding ``step-N`` checkpoints at ``path`` (itself or its run's
     ``checkpoints/``) and those checkpoints, oldest first."""
     from densetrain.checkpoint.resume import damaged_checkpoints
 
-    for directory in (path, path / "checkpoints"):
-        if directory.is_dir() and (checkpoint_dirs(directory) or damaged_checkpoints(directory)):
+    for directory in (path, _child(path, "checkpoints")):
+        if isinstance(directory, str):
+            if checkpoint_dirs(directory):
+                return directory, checkpoint_dirs(directory)
+        elif directory.is_dir() and (checkpoint_dirs(directory) or damaged_checkpoints(directory)):
             return directory, checkpoint_dirs(directory)
     return path, []
 
 
-def _stored_config(checkpoint: Path) -> tuple[str, Any]:
+def _stored_config(checkpoint: Path | str) -> tuple[str, Any]:
     """The job config of a verified checkpoint: its ``config.toml`` must be the one the manifest
     recorded, valid TOML and a job config."""
     from densetrain.config import job_config_from_dict
 
-    config_path = checkpoint / CONFIG_FILE
-    if not config_path.is_file():
+    config_path = _child(checkpoint, CONFIG_FILE)
+    try:
+        text = (objstore.read_text(checkpoint, CONFIG_FILE) if isinstance(checkpoint, str)
+                else config_path.read_text(encoding="utf-8") if config_path.is_file() else None)
+    except UnicodeDecodeError as error:
+        raise DamagedFileError(f"{config_path} is not UTF-8 text ({error})") from None
+    if text is None:
         raise DamagedFileError(
             f"checkpoint {checkpoint} has no {CONFIG_FILE} (it was saved without its job "
             "config), so its model cannot be rebuilt; load it with the job config that saved it "
             "(`densetrain train` resumes it)"
         )
-    try:
-        text = config_path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise DamagedFileError(f"{config_path} is not UTF-8 text ({error})") from None
-    manifest, _ = read_manifest(checkpoint)
+    manifest = _manifest(checkpoint)
     recorded = (manifest or {}).get("config_sha256")
     if recorded is not None and recorded != sha256_text(text):
         raise DamagedFileError(
@@ -135,7 +170,8 @@ def _stored_config(checkpoint: Path) -> tuple[str, Any]:
     return text, job
 
 
-def _check(checkpoint: Path, group: Any = None) -> tuple[list[Damage], tuple[str, Any] | None]:
+def _check(checkpoint: Path | str, group: Any = None
+           ) -> tuple[list[Damage], tuple[str, Any] | None]:
     """What is wrong with ``checkpoint`` as a reader takes it (its files against the manifest,
     then its stored config), and its ``(config text, job)`` when nothing is."""
     damage = verify_checkpoint(checkpoint, group)
@@ -163,12 +199,12 @@ def open_training_checkpoint(path: str | os.PathLike, *, group: Any = None
     """
     from densetrain.checkpoint.resume import damaged_checkpoints
 
-    path = Path(path)
+    path = _location(path)
     if _is_one_checkpoint(path):
         damage = verify_checkpoint(path, group)
         if damage:
             raise CheckpointDamagedError(path, damage, hint=(
-                f"give the directory holding it ({path.parent}) to use the newest checkpoint "
+                f"give the directory holding it ({_parent(path)}) to use the newest checkpoint "
                 "there that verifies, or `densetrain checkpoints` to list them"))
         text, job = _stored_config(path)
         return TrainingCheckpoint(path=path, step=_step_of(path), job=job, config_toml=text)
@@ -182,10 +218,10 @@ def open_training_checkpoint(path: str | os.PathLike, *, group: Any = None
                         f"(damaged: {'; '.join(rejected)})")
             return TrainingCheckpoint(path=candidate, step=step, job=stored[1],
                                       config_toml=stored[0])
-        rejected.append(f"{candidate.name}: " + "; ".join(map(str, damage)))
+        rejected.append(f"{_name(candidate)}: " + "; ".join(map(str, damage)))
         _report(f"checkpoint {candidate} is damaged ({'; '.join(map(str, damage))}); "
                 "trying the previous one")
-    earlier = damaged_checkpoints(root)
+    earlier = [] if isinstance(root, str) else damaged_checkpoints(root)
     if not rejected and not earlier:
         return None
     what = [f"{name}" for name in rejected] + [
@@ -207,7 +243,9 @@ class CheckpointStatus:
     damage: tuple[str, ...] = ()
 
 
-def _size(directory: Path) -> int:
+def _size(directory: Path | str) -> int:
+    if isinstance(directory, str):
+        return sum(objstore._files(directory).values())
     total = 0
     for child in directory.iterdir():
         try:
@@ -217,17 +255,19 @@ def _size(directory: Path) -> int:
     return total
 
 
-def survey_checkpoints(path: str | os.PathLike) -> tuple[Path, list[CheckpointStatus]]:
+def survey_checkpoints(path: str | os.PathLike) -> tuple[Path | str, list[CheckpointStatus]]:
     """Every checkpoint at ``path`` (a run directory, a checkpoint directory or one checkpoint),
     newest first, each ``step-N`` verified against its manifest (every file hashed) and its
     stored config read as `open_training_checkpoint` reads it; the directory surveyed. Reads
     only: nothing is renamed or removed (single process)."""
     from densetrain.checkpoint.resume import damaged_checkpoints
 
-    path = Path(path)
+    path = _location(path)
+    extra: list[Path] = []
     if _is_one_checkpoint(path):
-        roots, candidates = path.parent, [(_step_of(path), path)]
-        extra: list[Path] = []
+        roots, candidates = _parent(path), [(_step_of(path), path)]
+    elif isinstance(path, str):  # nothing is renamed on a store: no .tmp, nothing set aside
+        roots, candidates = _candidates(path)
     else:
         roots, candidates = _candidates(path)
         if not candidates and (roots / "checkpoints").is_dir():  # a run with only .tmp saves
@@ -238,7 +278,7 @@ def survey_checkpoints(path: str | os.PathLike) -> tuple[Path, list[CheckpointSt
     for step, candidate in reversed(candidates):
         damage = [str(d) for d in _check(candidate)[0]]  # as a reader takes it
         state = "damaged" if damage else "verified"
-        found.append(CheckpointStatus(name=candidate.name, step=step, state=state,
+        found.append(CheckpointStatus(name=_name(candidate), step=step, state=state,
                                       bytes=_size(candidate), damage=tuple(damage)))
     for other in sorted(extra, reverse=True):
         state = "incomplete" if other.name.endswith(".tmp") else "set aside"

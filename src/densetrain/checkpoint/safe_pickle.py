@@ -164,6 +164,16 @@ def _safe_fsspec_reader(url: str) -> Any:
     return SafeFsspecReader(url)
 
 
+def safe_reader(checkpoint: str | os.PathLike) -> Any:
+    """The restricted DCP storage reader of ``checkpoint``: `SafeFileSystemReader` for a local
+    directory, the fsspec one for a ``scheme://`` URL."""
+    from densetrain.checkpoint.objstore import is_remote
+
+    if is_remote(checkpoint):
+        return _safe_fsspec_reader(str(checkpoint))
+    return SafeFileSystemReader(str(checkpoint))
+
+
 def _first_reason(error: pickle.UnpicklingError) -> str:
     """The line of torch's weights-only message that names what was refused."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
@@ -199,16 +209,13 @@ def safe_dcp_load(state_dict: dict[str, Any], checkpoint: str | os.PathLike) -> 
     """
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from densetrain.checkpoint.objstore import is_remote
-
     no_dist = not (dist.is_available() and dist.is_initialized())
     read_dcp_metadata(checkpoint)  # its own errors first (DCP folds them into an assertion)
     try:
         quiet_single_process_notice()
         dcp.load(
             state_dict,
-            storage_reader=(_safe_fsspec_reader(str(checkpoint)) if is_remote(checkpoint)
-                            else SafeFileSystemReader(str(checkpoint))),
+            storage_reader=safe_reader(checkpoint),
             planner=SafeLoadPlanner(),
             no_dist=no_dist,
         )

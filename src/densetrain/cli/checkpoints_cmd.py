@@ -1,6 +1,7 @@
 """`densetrain checkpoints PATH`: which checkpoints of a run can be trusted.
 
-PATH is a run directory, its ``checkpoints/`` directory or one ``step-N`` checkpoint. Every
+PATH is a run directory, its ``checkpoints/`` directory or one ``step-N`` checkpoint, local or
+an fsspec URL (``s3://bucket/run/checkpoints``, read-only as on disk). Every
 ``step-N`` is verified against its manifest (the size and SHA-256 of every file, as a resume,
 ``eval`` and ``export`` check it) and listed newest first with its size and, when damaged, each
 file that does not match; checkpoints set aside as damaged by an earlier resume and saves left
@@ -33,10 +34,13 @@ def run_checkpoints(args: argparse.Namespace) -> int:
     import dataclasses
     from pathlib import Path
 
+    from densetrain.checkpoint.objstore import check_reachable, is_remote
     from densetrain.checkpoint.reading import survey_checkpoints
     from densetrain.errors import UserError
 
-    if not Path(args.path).is_dir():
+    if is_remote(args.path):
+        check_reachable(args.path)  # a missing bucket or refused access: one line naming PATH
+    elif not Path(args.path).is_dir():
         raise UserError(f"{args.path} is not a directory; give a run directory, its "
                         "checkpoints/ directory or a step-N checkpoint")
     root, found = survey_checkpoints(args.path)

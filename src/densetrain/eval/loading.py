@@ -110,11 +110,22 @@ def load_for_eval(
     device: str = "auto",
     dtype: torch.dtype | None = None,
 ):
-    """``(model in eval mode on device, tokenizer)`` from a model, HF or checkpoint directory."""
+    """``(model in eval mode on device, tokenizer)`` from a model, HF or checkpoint directory
+    (a training checkpoint may be an fsspec URL, ``s3://bucket/run``)."""
+    from densetrain.checkpoint.objstore import check_reachable, is_remote
     from densetrain.data.tokenizer import load_tokenizer
     from densetrain.models.hf import load_hf, load_model
     from densetrain.models.hf.native import is_model_dir
 
+    if is_remote(path):  # a training checkpoint on an object store (checkpoint/objstore.py)
+        check_reachable(str(path))
+        checkpoint = open_training_checkpoint(str(path))
+        if checkpoint is None:
+            raise ValueError(f"{path} holds no training checkpoint (no step-N prefix in it or "
+                             "in its checkpoints/)")
+        explicit = load_tokenizer(tokenizer) if tokenizer else None
+        model, found = _load_checkpoint_model(checkpoint, explicit)
+        return _finish_loading(model, found, path, device, dtype)
     directory = Path(path)
     if not directory.is_dir():
         raise UserError(f"model path {directory} is not a directory; give a model, Hugging Face "
@@ -136,6 +147,10 @@ def load_for_eval(
         raise ValueError(
             f"no tokenizer.json or tokenizer.model beside {directory}; pass --tokenizer PATH"
         )
+    return _finish_loading(model, found, directory, device, dtype)
+
+
+def _finish_loading(model, found, directory, device: str, dtype: torch.dtype | None):
     if found.vocab_size > model.config.vocab_size:
         raise UserError(
             f"tokenizer {found.path} has {found.vocab_size} ids but the model {directory} only "

@@ -34,8 +34,8 @@ import torch
 from densetrain.checkpoint.collective import quiet_single_process_notice
 from densetrain.checkpoint.reading import open_training_checkpoint
 from densetrain.checkpoint.safe_pickle import (
-    SafeFileSystemReader,
     SafeLoadPlanner,
+    safe_reader,
 )
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer
 from densetrain.models.config import ModelConfig
@@ -82,7 +82,7 @@ def _checkpoint_source(found, tokenizer: Tokenizer | None) -> ExportSource:
         # No process group: DCP reads the requested entries on this process, whatever layout
         # wrote them, each into its preallocated full tensor (and says so in a warning).
         quiet_single_process_notice()
-        dcp.load(wanted, storage_reader=SafeFileSystemReader(str(checkpoint)),
+        dcp.load(wanted, storage_reader=safe_reader(checkpoint),
                  planner=SafeLoadPlanner(), no_dist=True)
         return {name: wanted[_MODEL_PREFIX + name] for name in names}
 
@@ -121,6 +121,17 @@ def _model_dir_source(directory: Path, tokenizer: Tokenizer | None) -> ExportSou
 def open_source(path: str | os.PathLike, *, tokenizer: str | os.PathLike | None = None
                 ) -> ExportSource:
     """The ``ExportSource`` at ``path`` (see the module docstring); ``ValueError`` otherwise."""
+    from densetrain.checkpoint.objstore import check_reachable, is_remote
+
+    if is_remote(path):  # a training checkpoint on an object store (checkpoint/objstore.py)
+        check_reachable(str(path))
+        explicit = load_tokenizer(tokenizer) if tokenizer else None
+        checkpoint = open_training_checkpoint(str(path))
+        if checkpoint is None:
+            raise ValueError(f"{path} holds no training checkpoint (no step-N prefix in it or "
+                             "in its checkpoints/)")
+        source = _checkpoint_source(checkpoint, explicit)
+        return dataclasses.replace(source, read=_finite_reader(source))
     directory = Path(path)
     if not directory.is_dir():
         raise ValueError(f"{directory} is not a directory (a run, checkpoint or model directory)")

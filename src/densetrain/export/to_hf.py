@@ -91,7 +91,8 @@ def export_to_hf(
     Returns a summary dict.
     """
     source = open_source(path, tokenizer=tokenizer)
-    check_output_apart(source.path, Path(out), inside_ok=source.kind == "model")
+    if not isinstance(source.path, str):  # a URL source (object store) cannot hold ``out``
+        check_output_apart(source.path, Path(out), inside_ok=source.kind == "model")
     cfg = source.config
     family = hf_family or cfg.extra.get("hf_family")
     if family is None:

@@ -78,11 +78,17 @@ def init_from(model: torch.nn.Module, source: str) -> None:
     from densetrain.checkpoint.reading import open_training_checkpoint
     from densetrain.models.hf.native import is_model_dir
 
-    path = Path(source)
     field = f"training.init_from={source!r}"
-    if not path.exists():
+    remote = is_remote(source)  # a training checkpoint on an object store (objstore.py)
+    path: Path | str = source.rstrip("/") if remote else Path(source)
+    if remote:
+        try:
+            check_reachable(source)
+        except UserError as err:
+            raise UserError(f"{field}: {err}") from None
+    elif not path.exists():
         raise UserError(f"{field} does not exist; give {INIT_SOURCES}")
-    has_config = (path / "config.json").is_file()
+    has_config = not remote and (path / "config.json").is_file()
     try:
         found = None if has_config else open_training_checkpoint(path)
         if not has_config and found is None:

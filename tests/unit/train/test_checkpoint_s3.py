@@ -57,7 +57,8 @@ def _curve(run_dir: str) -> list[tuple]:
 def test_save_and_resume_on_s3_is_bit_exact(make_job, s3) -> None:
     reference = make_job(*_STEPS, run="straight")
     train(reference)
-    job = make_job(*_STEPS, "--checkpoint.dir=s3://ckpt/run", run="interrupted")
+    job = make_job(*_STEPS, "--checkpoint.dir=s3://ckpt/run", "--checkpoint.async_save=false",
+                   run="interrupted")  # the synchronous save (test_checkpoint_s3_readers: async)
     with pytest.raises(KeyboardInterrupt):
         train(job, callbacks=[InterruptAfter(at=4)])
     assert [s for s, _ in list_checkpoints("s3://ckpt/run")] == [2, 4]
