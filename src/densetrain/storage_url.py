@@ -6,6 +6,7 @@ whatever it imports then would be imported twice). The storage itself: `checkpoi
 from __future__ import annotations
 
 import re
+import threading
 from typing import Any
 
 _URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
@@ -47,3 +48,24 @@ def url_problem(field: str, value: str) -> str | None:
     except ValueError:
         return f"{field}={value!r}: fsspec knows no filesystem for the scheme {scheme}://"
     return None
+
+
+_retries = 0
+_retries_lock = threading.Lock()
+
+
+def count_retry() -> None:
+    """Record one retried request to an object store (called from the storage library's own
+    threads: `checkpoint.objstore` hooks botocore's attempts)."""
+    global _retries
+    with _retries_lock:
+        _retries += 1
+
+
+def take_retries() -> int:
+    """The retried object-store requests since the previous call (the goodput ledger records
+    them per line)."""
+    global _retries
+    with _retries_lock:
+        taken, _retries = _retries, 0
+    return taken

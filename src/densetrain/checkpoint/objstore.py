@@ -41,7 +41,14 @@ from densetrain.checkpoint.manifest import (
 from densetrain.errors import UserError
 
 # torch-free (config validation imports them before torch): re-exported for the callers here
-from densetrain.storage_url import _URL_RE, EXTRA_HINT, is_remote, url_problem, url_scheme  # noqa: F401
+from densetrain.storage_url import (  # noqa: F401
+    _URL_RE,
+    EXTRA_HINT,
+    count_retry,
+    is_remote,
+    url_problem,
+    url_scheme,
+)
 
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 _CHUNK = 8 << 20
@@ -65,14 +72,38 @@ def checkpoint_location(value: str) -> Any:
 
 
 def filesystem(url: str) -> tuple[Any, str]:
-    """The fsspec filesystem of ``url`` and the path inside it."""
+    """The fsspec filesystem of ``url`` and the path inside it (its S3 client counting its
+    retries, `_count_retries`)."""
     import fsspec
 
     try:
-        return fsspec.core.url_to_fs(url)
+        fs, path = fsspec.core.url_to_fs(url)
     except ImportError as err:
         raise ObjectStoreError(f"checkpoint.dir {url} needs a package that is not installed "
                                f"({err.name or err}): {EXTRA_HINT}") from None
+    _count_retries(fs)
+    return fs, path
+
+
+def _on_request(request: Any = None, **_: Any) -> None:
+    if ((getattr(request, "context", None) or {}).get("retries") or {}).get("attempt", 1) > 1:
+        count_retry()
+
+
+def _count_retries(fs: Any) -> None:
+    """Count every retried request of ``fs``'s S3 client into `storage_url.take_retries` (the
+    goodput ledger's ``storage_retries``). botocore itself retries timeouts, dropped
+    connections, 5xx and throttling (SlowDown) with exponential backoff, and s3fs retries
+    again on top; neither reports it, so this hooks botocore's ``request-created`` event, sent
+    for every attempt with the attempt number in its context: an attempt past the first is a
+    retry. fsspec's DCP writer and reader get the same cached filesystem, hence this client.
+    Retries s3fs adds after botocore gave up are not seen (each starts at attempt 1)."""
+    if type(fs).__name__ != "S3FileSystem" or getattr(fs, "asynchronous", False):
+        return
+    client = fs.s3  # connects (sync), as the first request would
+    if not getattr(client, "_densetrain_counts_retries", False):
+        client.meta.events.register("request-created.s3", _on_request)
+        client._densetrain_counts_retries = True
 
 
 def check_reachable(url: str) -> None:

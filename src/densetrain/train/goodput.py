@@ -14,7 +14,9 @@ Buckets: ``startup`` (build, resume), ``data`` (reading and preparing the batch)
 (steps at a step number the run had not reached before), ``recomputed`` (steps redone after a
 rollback or a restart from an older checkpoint), ``checks`` (the fault checks, rollbacks
 included), ``evaluation``, ``callbacks`` (logging, checkpoint saves: checkpoint stalls show
-here), ``down``.
+here), ``down``. A line also counts ``storage_retries`` when requests to an object store
+(checkpoints under ``s3://``) were retried during it: timeouts, dropped connections, 5xx and
+throttling, which the storage library retries with backoff (`checkpoint.objstore`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from densetrain.errors import UserError
+from densetrain.storage_url import take_retries
 from densetrain.train.jsonl import drop_torn_tail, read_json_lines
 from densetrain.values import is_int_at_least
 
@@ -116,6 +119,7 @@ class GoodputLedger:
         self._line_start = started
         self._last = started
         self.high_water = 0
+        self.storage_retries = 0
         if write:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if self.path.is_file():
@@ -140,9 +144,13 @@ class GoodputLedger:
 
     def flush(self, step: int) -> None:
         """Write the line of the time since the last flush (rank 0)."""
+        retries = take_retries()
+        self.storage_retries += retries
         if self.write and self._line:
             entry = {"process": self.process, "start": self._line_start, "end": self._last,
                      "step": step, "buckets": self._line}
+            if retries:  # their time is in the bucket of the phase that waited on them
+                entry["storage_retries"] = retries
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(entry) + "\n")
         self._line, self._line_start = {}, self._last
@@ -151,7 +159,8 @@ class GoodputLedger:
         """This process's seconds per bucket and its goodput (productive / accounted)."""
         total = sum(self.totals.values())
         return {**{f"goodput_{k}_s": v for k, v in self.totals.items() if k != "down"},
-                "goodput_process": self.totals["productive"] / total if total else 0.0}
+                "goodput_process": self.totals["productive"] / total if total else 0.0,
+                "goodput_storage_retries": self.storage_retries}
 
 
 def ledger_totals(lines: list[dict[str, Any]]) -> tuple[dict[str, float], float]:

@@ -135,3 +135,81 @@ def test_missing_bucket_is_one_error_naming_the_url(make_job, s3, tmp_path, caps
                                         r"does not exist"):
         train(job)
     assert not read_metrics(job.logging.run_dir)
+
+
+class _FlakyProxy:
+    """A TCP proxy to the S3 server on real sockets: the first ``fail`` connections are closed
+    unanswered (a dropped connection), the later ones piped through."""
+
+    def __init__(self, upstream: tuple[str, int], fail: int) -> None:
+        import socket
+        import threading
+
+        self.upstream, self.left = upstream, fail
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.refused = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            if self.left > 0:
+                self.left -= 1
+                self.refused += 1
+                client.close()
+                continue
+            upstream = socket.create_connection(self.upstream)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src, dst) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(2)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_dropped_connections_are_retried_and_counted(make_job, s3, monkeypatch) -> None:
+    import os
+    from urllib.parse import urlsplit
+
+    import s3fs
+
+    from densetrain.train.goodput import read_ledger
+
+    server = urlsplit(os.environ["AWS_ENDPOINT_URL"])
+    proxy = _FlakyProxy((server.hostname, server.port), fail=3)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        job = make_job("--training.steps=3", "--checkpoint.interval=3", "--eval.interval=0",
+                       "--eval.sample_tokens=0", "--checkpoint.dir=s3://ckpt/run", run="flaky")
+        summary = train(job)
+    finally:
+        proxy.close()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", server.geturl())
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert proxy.refused == 3
+    assert [s for s, _ in list_checkpoints("s3://ckpt/run")] == [3]
+    assert summary["goodput_storage_retries"] >= 1  # botocore's retries (aiohttp may reconnect
+    # within one attempt, so not one retry per dropped connection)
+    lines = read_ledger(job.logging.run_dir)
+    assert sum(e.get("storage_retries", 0) for e in lines) == summary["goodput_storage_retries"]
