@@ -20,6 +20,8 @@ import types
 import typing
 from typing import Any
 
+from densetrain.errors import UserError
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the same parser, published as tomli
@@ -40,7 +42,7 @@ def coerce(value: Any, annotation: Any, name: str, *, strict: bool = False) -> A
     if annotation is typing.Any:
         return value
     if strict and isinstance(value, str) and annotation is not str:
-        raise ValueError(f"{name} expects {_kind(annotation, strict)}, got the string {value!r}")
+        raise UserError(f"{name} expects {_kind(annotation, strict)}, got the string {value!r}")
     if annotation is bool:
         return _coerce_bool(value, name)
     if annotation is int:
@@ -48,7 +50,7 @@ def coerce(value: Any, annotation: Any, name: str, *, strict: bool = False) -> A
     if annotation is float:
         number = _coerce_float(value, name)
         if strict and not math.isfinite(number):
-            raise ValueError(f"{name} expects a finite number, got {value!r}")
+            raise UserError(f"{name} expects a finite number, got {value!r}")
         return number
     if annotation is str:
         return value if strict and isinstance(value, str) else _coerce_str(value, name)
@@ -87,17 +89,17 @@ def coerce_dataclass(data: dict, cls: type, name: str, *, strict: bool = False) 
     kwargs = {}
     for key, value in data.items():
         if key not in known:
-            raise ValueError(unknown_key_message(_join(name, key), key, known, where))
+            raise UserError(unknown_key_message(_join(name, key), key, known, where))
         kwargs[key] = coerce(value, hints[key], _join(name, key), strict=strict)
     missing = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in kwargs
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
-        raise ValueError(f"[{name}] misses required field(s) {', '.join(missing)}" if name else
-                         f"required {cls.__name__} field(s) {', '.join(missing)} missing")
+        raise UserError(f"[{name}] misses required field(s) {', '.join(missing)}" if name else
+                        f"required {cls.__name__} field(s) {', '.join(missing)} missing")
     try:
         return cls(**kwargs)
     except TypeError as error:  # a constructor that refuses the fields' combination
-        raise ValueError(f"{name or cls.__name__}: {error}") from None
+        raise UserError(f"{name or cls.__name__}: {error}") from None
 
 
 def _join(name: str, key: str) -> str:
@@ -122,7 +124,7 @@ def _coerce_optional(value: Any, args: tuple, name: str, strict: bool = False) -
             return coerce(value, arg, name, strict=strict)
         except ValueError as error:
             errors.append(str(error))
-    raise ValueError(errors[0] if len(errors) == 1 else f"{name}: {'; '.join(errors)}")
+    raise UserError(errors[0] if len(errors) == 1 else f"{name}: {'; '.join(errors)}")
 
 
 def _coerce_bool(value: Any, name: str) -> bool:
@@ -130,7 +132,7 @@ def _coerce_bool(value: Any, name: str) -> bool:
         return value
     if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
         return value.strip().lower() in _TRUE
-    raise ValueError(f"{name} expects a boolean (true/false), got {value!r}")
+    raise UserError(f"{name} expects a boolean (true/false), got {value!r}")
 
 
 def _coerce_int(value: Any, name: str) -> int:
@@ -148,7 +150,7 @@ def _coerce_int(value: Any, name: str) -> int:
             number = math.nan
         if math.isfinite(number) and number.is_integer():
             return int(number)
-    raise ValueError(f"{name} expects an integer, got {value!r}")
+    raise UserError(f"{name} expects an integer, got {value!r}")
 
 
 def _coerce_float(value: Any, name: str) -> float:
@@ -159,7 +161,7 @@ def _coerce_float(value: Any, name: str) -> float:
             return float(value.strip().replace("_", ""))
         except ValueError:
             pass
-    raise ValueError(f"{name} expects a number, got {value!r}")
+    raise UserError(f"{name} expects a number, got {value!r}")
 
 
 def _coerce_str(value: Any, name: str) -> str:
@@ -168,7 +170,7 @@ def _coerce_str(value: Any, name: str) -> str:
         if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
             return _toml_literal(text, name)
         return value
-    raise ValueError(f"{name} expects a string, got {value!r}")
+    raise UserError(f"{name} expects a string, got {value!r}")
 
 
 def _coerce_list(value: Any, item_type: Any, name: str, strict: bool = False) -> list:
@@ -179,7 +181,7 @@ def _coerce_list(value: Any, item_type: Any, name: str, strict: bool = False) ->
         else:
             value = [item.strip() for item in text.split(",")] if text else []
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"{name} expects a list, got {value!r}")
+        raise UserError(f"{name} expects a list, got {value!r}")
     return [coerce(item, item_type, f"{name}[{i}]", strict=strict)
             for i, item in enumerate(value)]
 
@@ -190,7 +192,7 @@ def _coerce_dict(value: Any, name: str, strict: bool = False) -> dict:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     if not isinstance(value, dict):
-        raise ValueError(f"{name} expects {_kind(dict, strict)}, got {value!r}")
+        raise UserError(f"{name} expects {_kind(dict, strict)}, got {value!r}")
     return dict(value)
 
 
@@ -198,4 +200,4 @@ def _toml_literal(text: str, name: str) -> Any:
     try:
         return tomllib.loads(f"value = {text}")["value"]
     except tomllib.TOMLDecodeError as error:
-        raise ValueError(f"{name}: {text!r} is not a valid TOML value ({error})") from None
+        raise UserError(f"{name}: {text!r} is not a valid TOML value ({error})") from None

@@ -1,9 +1,10 @@
 """Errors that mean "the input was wrong", and how the command line reports them.
 
 Library functions raise `UserError` (a ``ValueError``, so callers that catch ``ValueError`` keep
-working) — or ``ValueError`` / ``OSError`` with a message naming the file, line or field, what
-was wrong and what is allowed. The ``densetrain`` command line (``cli/main.py``) turns every
-such error into one line on stderr and a non-zero exit; ``--debug`` shows the traceback.
+working) with a message naming the file, line or field, what was wrong and what is allowed; an
+``OSError`` naming the path the user gave counts too (`is_user_error`). The ``densetrain``
+command line (``cli/main.py``) turns such an error into one line on stderr and exit 2
+(``--debug`` shows the traceback); any other exception is a bug: its traceback is printed.
 `RankFailure` (a peer rank died or stopped) is printed the same way, with an exit status of its
 own.
 """
@@ -11,7 +12,6 @@ own.
 from __future__ import annotations
 
 import errno
-import pickle
 
 
 class UserError(ValueError):
@@ -33,14 +33,36 @@ class RankFailure(RuntimeError):
     can tell "restart, perhaps without that host" from a crash."""
 
 
-# Exceptions whose message is written for the user: printed without a traceback.
-USER_ERROR_TYPES: tuple[type[BaseException], ...] = (
-    ValueError,  # includes UserError, json.JSONDecodeError, UnicodeDecodeError
-    OSError,  # FileNotFoundError, PermissionError, IsADirectoryError, ENOSPC, EROFS, ...
-    ImportError,  # an optional dependency that is not installed
-    pickle.UnpicklingError,
-    EOFError,
-)
+class UserFileNotFoundError(UserError, FileNotFoundError):
+    """A file or directory the user named does not exist (still a ``FileNotFoundError``)."""
+
+
+class UserFileExistsError(UserError, FileExistsError):
+    """An output the user named is in the way (still a ``FileExistsError``)."""
+
+
+class UserNotADirectoryError(UserError, NotADirectoryError):
+    """A path the user gave as a directory is a file (still a ``NotADirectoryError``)."""
+
+
+class MissingDependencyError(UserError, ImportError):
+    """An optional dependency is not installed; the message names what to ``pip install``."""
+
+
+# Disk full / quota / read-only disk: the machine's state, reported as one line (`describe_error`).
+_ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+def is_user_error(error: BaseException) -> bool:
+    """Whether ``error``'s message is written for the user (printed as one line, no traceback):
+    a `UserError`, or an ``OSError`` that names a path (a file the user gave that is missing,
+    unreadable, a directory, ...) or a full / read-only disk. Anything else — a bare
+    ``ValueError``, ``TypeError``, ``KeyError``, an ``OSError`` naming no path — is a bug."""
+    if isinstance(error, UserError):
+        return True
+    if isinstance(error, OSError):
+        return bool(error.filename) or error.errno in _ENVIRONMENT_ERRNOS
+    return False
 
 
 def unwrap_error(error: BaseException) -> BaseException:

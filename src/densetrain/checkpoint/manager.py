@@ -40,7 +40,7 @@ from densetrain.checkpoint.manifest import (
 )
 from densetrain.checkpoint.safe_pickle import read_dcp_metadata, safe_dcp_load
 from densetrain.checkpoint.state import RNGState
-from densetrain.errors import DamagedFileError
+from densetrain.errors import DamagedFileError, UserError
 
 COMPLETE_MARKER = MANIFEST_FILE
 """The file whose presence makes a ``step-N`` directory a complete checkpoint."""
@@ -52,7 +52,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read."""
 
 
-class CheckpointShapeError(ValueError):
+class CheckpointShapeError(UserError):
     """The checkpoint holds a tensor whose shape differs from the model's (another model)."""
 
 
@@ -145,7 +145,7 @@ def materialise(state: Mapping[str, Any]) -> dict[str, Any]:
 def prune_checkpoints(directory: str | os.PathLike, keep_last: int) -> list[Path]:
     """Delete all but the newest ``keep_last`` complete checkpoints; return the deleted paths."""
     if keep_last <= 0:
-        raise ValueError(f"checkpoint.keep_last must be >= 1 to prune, got {keep_last}")
+        raise UserError(f"checkpoint.keep_last must be >= 1 to prune, got {keep_last}")
     if objstore.is_remote(directory):
         return objstore.prune(str(directory), keep_last)
     doomed = [path for _, path in list_checkpoints(directory)[:-keep_last]]

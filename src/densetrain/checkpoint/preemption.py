@@ -20,6 +20,7 @@ from types import FrameType
 from typing import Any
 
 from densetrain.checkpoint import collective
+from densetrain.errors import UserError
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -34,7 +35,7 @@ class PreemptionHandler:
     def __init__(self, *, grace_s: float, timeout_s: float = 600.0,
                  signals: tuple[signal.Signals, ...] = HANDLED_SIGNALS) -> None:
         if not grace_s > 0:
-            raise ValueError(f"checkpoint.preemption_grace_s must be > 0, got {grace_s}")
+            raise UserError(f"checkpoint.preemption_grace_s must be > 0, got {grace_s}")
         self.grace_s = grace_s
         self.timeout_s = timeout_s
         self.group: Any = None

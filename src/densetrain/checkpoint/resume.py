@@ -35,7 +35,7 @@ from densetrain.checkpoint.manager import (
     set_aside,
     verify_checkpoint,
 )
-from densetrain.errors import DamagedFileError
+from densetrain.errors import DamagedFileError, UserError
 
 HISTORY_FILE = "run_history.jsonl"
 DAMAGED = "damaged"
@@ -62,7 +62,7 @@ class NoVerifiedCheckpointError(CheckpointError, DamagedFileError):
     (an input error to the CLI: exit 2, naming each one)."""
 
 
-class ConfigChangeError(ValueError):
+class ConfigChangeError(UserError):
     """The run's config changes the model or the data order of the checkpoint it resumes."""
 
 

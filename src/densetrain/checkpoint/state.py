@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from densetrain.errors import UserError
+
 
 class ModelState:
     """Stateful view of a (possibly sharded) model's parameters and persistent buffers."""
@@ -103,17 +105,17 @@ def capture_rng_state() -> torch.Tensor:
 def restore_rng_state(state: torch.Tensor) -> None:
     """Restore the generators captured by `capture_rng_state`."""
     if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
-        raise ValueError(
+        raise UserError(
             f"RNG state is a {type(state).__name__}, expected a uint8 tensor: the checkpoint was "
             "written by an older densetrain or another program; it is not unpickled"
         )
     raw = state.detach().cpu().contiguous().numpy().tobytes()
     if len(raw) != RNG_LAYOUT.itemsize:
-        raise ValueError(f"RNG state of {len(raw)} bytes, expected {RNG_LAYOUT.itemsize}")
+        raise UserError(f"RNG state of {len(raw)} bytes, expected {RNG_LAYOUT.itemsize}")
     record = np.frombuffer(raw, dtype=RNG_LAYOUT)[0]
     if int(record["layout_version"]) != _RNG_LAYOUT_VERSION:
-        raise ValueError(f"RNG state layout version {int(record['layout_version'])}, expected "
-                         f"{_RNG_LAYOUT_VERSION}")
+        raise UserError(f"RNG state layout version {int(record['layout_version'])}, expected "
+                        f"{_RNG_LAYOUT_VERSION}")
     torch.set_rng_state(torch.from_numpy(record["torch"].copy()))
     py_gauss = float(record["python_gauss"]) if record["python_has_gauss"] else None
     python_state = tuple(int(v) for v in record["python_state"])

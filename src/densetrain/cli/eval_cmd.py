@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from densetrain.cli.argtypes import count
-from densetrain.errors import UserError
+from densetrain.errors import MissingDependencyError, UserError
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -42,7 +42,15 @@ def _load(args: argparse.Namespace):
     from densetrain.eval.loading import load_for_eval
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    return load_for_eval(args.model, tokenizer=args.tokenizer, device=args.device, dtype=dtype)
+    try:
+        return load_for_eval(args.model, tokenizer=args.tokenizer, device=args.device,
+                             dtype=dtype)
+    except ValueError as error:
+        # TODO(issue 38): eval/loading.py still raises a plain ValueError for a path that is no
+        # model; drop this once those raise sites are `UserError`s.
+        if type(error) is not ValueError:
+            raise
+        raise UserError(str(error)) from error
 
 
 def _emit(args: argparse.Namespace, record: dict, lines: list[str]) -> None:
@@ -126,7 +134,8 @@ def _harness(args: argparse.Namespace) -> int:
 
     # Every check before the model loads: the harness, the include path and the task names.
     if importlib.util.find_spec("lm_eval") is None:
-        raise ImportError("lm-evaluation-harness is not installed; `pip install lm-eval`")
+        raise MissingDependencyError(
+            "lm-evaluation-harness is not installed; `pip install lm-eval`")
     include = args.include_path
     if include is not None and not Path(include).is_dir():
         what = "is a file" if Path(include).exists() else "does not exist"
@@ -163,14 +172,14 @@ def _check_generate_args(args: argparse.Namespace) -> None:
     check_sampling(args.temperature, args.top_k, args.top_p,
                    names=("--temperature", "--top-k", "--top-p"))
     if args.num_samples < 1:
-        raise ValueError(f"--num-samples must be a positive integer, got {args.num_samples}")
+        raise UserError(f"--num-samples must be a positive integer, got {args.num_samples}")
     if args.temperature == 0:
         ignored = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p))
                    if value is not None]
         if args.num_samples > 1:
             ignored.append(f"--num-samples {args.num_samples}")
         if ignored:
-            raise ValueError(
+            raise UserError(
                 f"{' and '.join(ignored)} {'needs' if len(ignored) == 1 else 'need'} sampling: "
                 "give --temperature > 0 (e.g. 0.8); "
                 "at --temperature 0 (the default) decoding is greedy, one and the same "

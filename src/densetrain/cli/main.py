@@ -6,12 +6,12 @@ an exit code) on each sub-parser. Heavy imports happen inside the command functi
 ``densetrain --help`` stays fast.
 
 Errors: `main` is the one place where a command's exceptions are caught. An error about the
-input (``densetrain.errors.USER_ERROR_TYPES``: ``ValueError``/``UserError``, ``OSError``, ...)
+input (``densetrain.errors.is_user_error``: a ``UserError``, or an ``OSError`` naming a path)
 prints one line ``densetrain <command>: error: <message>`` and exits 2; a lost peer rank
 (``densetrain.errors.RankFailure``: a failed collective, named from the ranks' heartbeats)
-prints one line naming the lost rank and exits `EXIT_RANK_FAILURE`; any other exception prints
-one line naming its type and exits 1. ``--debug`` (anywhere on the command line) prints the
-traceback as well.
+prints one line naming the lost rank and exits `EXIT_RANK_FAILURE`; any other exception is a
+bug: it prints its traceback and a line asking for a bug report, and exits 1. ``--debug``
+(anywhere on the command line) prints the traceback of an input error as well.
 """
 
 from __future__ import annotations
@@ -162,21 +162,21 @@ def _as_rank_failure(error: BaseException) -> BaseException:
 
 def report_error(error: BaseException, command: str, *, debug: bool) -> int:
     """Print ``error`` for the user (one line, or the traceback with ``debug``); the exit code."""
-    from densetrain.errors import USER_ERROR_TYPES, RankFailure, describe_error
+    from densetrain.errors import RankFailure, describe_error, is_user_error
 
     error = _as_rank_failure(error)
-    if debug:
+    user_error = is_user_error(error)
+    if debug or not (user_error or isinstance(error, RankFailure)):
         traceback.print_exception(type(error), error, error.__traceback__)
     if isinstance(error, RankFailure):
         print(f"densetrain {command}: error: {describe_error(error)}", file=sys.stderr,
               flush=True)
         return EXIT_RANK_FAILURE
-    user_error = isinstance(error, USER_ERROR_TYPES)
     message = describe_error(error)
     if not user_error:
-        message = f"internal error {type(error).__name__}: {message}"
-        if not debug:
-            message += f" (rerun with {DEBUG_FLAG} for the traceback)"
+        message = (f"internal error {type(error).__name__}: {message}\n"
+                   f"densetrain {command}: this is a bug in densetrain, not in your input; "
+                   f"please report it with the traceback above")
     print(f"densetrain {command}: error: {message}", file=sys.stderr, flush=True)
     return EXIT_USER_ERROR if user_error else EXIT_INTERNAL_ERROR
 

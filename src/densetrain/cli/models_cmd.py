@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from densetrain.errors import UserError
 from densetrain.values import is_int_at_least
 
 
@@ -55,13 +56,13 @@ def model_info(name_or_path: str, *, seq_len: int | None = None, kv_bytes: int =
     from densetrain.models import sizing
 
     if not is_int_at_least(kv_bytes, 1):
-        raise ValueError(f"--kv-bytes must be a positive integer (bytes per KV-cache element: 2 "
-                         f"for bf16, 1 for fp8; default 2), got {kv_bytes!r}")
+        raise UserError(f"--kv-bytes must be a positive integer (bytes per KV-cache element: 2 "
+                        f"for bf16, 1 for fp8; default 2), got {kv_bytes!r}")
     cfg = _model_config(name_or_path)
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)
                                 or seq_len < 1):
-        raise ValueError(f"--seq-len must be a positive integer (default: the model's "
-                         f"max_seq_len {cfg.max_seq_len}), got {seq_len!r}")
+        raise UserError(f"--seq-len must be a positive integer (default: the model's "
+                        f"max_seq_len {cfg.max_seq_len}), got {seq_len!r}")
     seq = seq_len or cfg.max_seq_len
     counts = sizing.param_counts(cfg)
     return {
@@ -102,17 +103,17 @@ def _model_config(name_or_path: str):
         ("~", ".")) or path.suffix in (".json", ".toml")
     if not path.exists():
         if looks_like_path:
-            raise ValueError(f"{name_or_path} does not exist; {_ACCEPTS}")
+            raise UserError(f"{name_or_path} does not exist; {_ACCEPTS}")
         return get_preset(name_or_path)  # unknown preset: the error lists close names
     if path.is_dir() and ((path / "checkpoints").is_dir() or (path / "config.toml").is_file()):
         kind = "run" if (path / "checkpoints").is_dir() else "checkpoint"
-        raise ValueError(
+        raise UserError(
             f"{name_or_path} is a training {kind} directory, not a model directory; {_ACCEPTS}: "
             f"export it first (`densetrain export {name_or_path} --to-hf DIR`, then model-info "
             "DIR)"
         )
     kind = "directory without config.json" if path.is_dir() else "file, not a directory"
-    raise ValueError(f"{name_or_path} is a {kind}; {_ACCEPTS}")
+    raise UserError(f"{name_or_path} is a {kind}; {_ACCEPTS}")
 
 
 def _config_from_dir(directory):
@@ -167,7 +168,7 @@ def preset_rows(family: str | None = None) -> list[dict]:
     configs = {name: get_preset(name) for name in names}
     families = sorted({str(cfg.extra.get("family")) for cfg in configs.values()})
     if family is not None and family not in families:
-        raise ValueError(f"unknown family {family!r}; families: {families}")
+        raise UserError(f"unknown family {family!r}; families: {families}")
     rows = []
     for name, cfg in configs.items():
         if family is not None and cfg.extra.get("family") != family:

@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from densetrain.cli.argtypes import count, number
+from densetrain.errors import UserError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -74,7 +75,7 @@ def _load_model(spec: str):
     path = Path(spec)
     if path.suffix in (".toml", ".json") or path.exists():
         if not path.exists():
-            raise ValueError(f"--model: file {spec} does not exist")
+            raise UserError(f"--model: file {spec} does not exist")
         import json
 
         from densetrain.coerce import coerce_dataclass, tomllib
@@ -84,15 +85,15 @@ def _load_model(spec: str):
             data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
         except (ValueError, UnicodeDecodeError) as error:  # JSON and TOML decode errors
             kind = "JSON" if path.suffix == ".json" else "TOML"
-            raise ValueError(f"--model: {spec} is not valid {kind}: {error}") from None
+            raise UserError(f"--model: {spec} is not valid {kind}: {error}") from None
         data = data.get("model", data) if isinstance(data, dict) else data
         if not isinstance(data, dict):
-            raise ValueError(f"--model: {spec} must hold a table of ModelConfig fields (at the "
-                             f"top level or under [model]), got a {type(data).__name__}")
+            raise UserError(f"--model: {spec} must hold a table of ModelConfig fields (at the "
+                            f"top level or under [model]), got a {type(data).__name__}")
         try:  # each field checked against its type, unknown keys with close matches
             return coerce_dataclass(data, ModelConfig, "model")
         except ValueError as error:
-            raise ValueError(f"--model: {spec}: {error}") from None
+            raise UserError(f"--model: {spec}: {error}") from None
     from densetrain.models.presets import get_preset
 
     return get_preset(spec)
@@ -177,10 +178,10 @@ def run_plan_command(args: argparse.Namespace) -> int:
         if args.calibrate:
             return _calibrate(args)
         if args.calibrate_ranks is not None and not args.calibrate:
-            raise ValueError("--calibrate-ranks needs --calibrate OUT.toml (it sets how many "
-                             "ranks the calibration measures)")
+            raise UserError("--calibrate-ranks needs --calibrate OUT.toml (it sets how many "
+                            "ranks the calibration measures)")
         if args.devices is None:
-            raise ValueError("--devices is required (number of accelerators)")
+            raise UserError("--devices is required (number of accelerators)")
         cluster = get_cluster(args.cluster, extra)
         settings = PlanSettings(precision=args.precision, compute_efficiency=args.efficiency,
                                 flash_attention=not args.no_flash)
@@ -198,9 +199,9 @@ def run_plan_command(args: argparse.Namespace) -> int:
             print(full_report(plan.layout_plan, top=args.top))
             return 0
         if args.inference_tokens:
-            raise ValueError("--inference-tokens needs --flops (a lifetime FLOP budget)")
+            raise UserError("--inference-tokens needs --flops (a lifetime FLOP budget)")
         if args.model is None:
-            raise ValueError("--model is required without --flops (a preset name or a file)")
+            raise UserError("--model is required without --flops (a preset name or a file)")
         result = search(_load_model(args.model), **common)
         print(full_report(result, top=args.top))
         if args.emit_config:

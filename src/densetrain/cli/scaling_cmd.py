@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from densetrain.cli.argtypes import count, number
+from densetrain.errors import UserError
 
 
 def _float_list(text: str) -> list[float]:
@@ -86,7 +87,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     extra = list(getattr(args, "extra", []))
     bad = [e for e in extra if not e.startswith("--") or "=" not in e]
     if bad:
-        raise ValueError(f"extra arguments must be --section.field=value overrides, got {bad}")
+        raise UserError(f"extra arguments must be --section.field=value overrides, got {bad}")
     cfg = SweepConfig(
         budgets=args.budgets, sizes_per_budget=args.sizes_per_budget, n_span=args.n_span,
         tokens_per_param=args.tokens_per_param, param_count=args.param_count,

@@ -22,6 +22,7 @@ from densetrain.config.sections import (
     TrainingConfig,
 )
 from densetrain.data.config import DataConfig
+from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
 from densetrain.optim.config import OptimConfig, ScheduleConfig
 from densetrain.parallel.config import ParallelConfig
@@ -55,7 +56,7 @@ ModelSection.__doc__ = """The ``[model]`` section: ``preset`` plus ``ModelConfig
 def _model_section_validate(self) -> None:
     """Raise ``ValueError`` naming ``model.preset`` when it is not a string."""
     if not isinstance(self.preset, str):
-        raise ValueError(f"model.preset must be a preset name string, got {self.preset!r}")
+        raise UserError(f"model.preset must be a preset name string, got {self.preset!r}")
 
 
 def _model_section_overrides(self) -> dict:
@@ -79,7 +80,7 @@ def _in_model_section(build, overrides: dict) -> ModelConfig:
     try:
         return build(**overrides)
     except ValueError as error:
-        raise ValueError(f"[model] {error}") from error
+        raise UserError(f"[model] {error}") from error
 
 
 @dataclass(kw_only=True)
@@ -121,13 +122,13 @@ class JobConfig:
             missing = [n for n in ("vocab_size", "dim", "num_layers", "num_heads")
                        if n not in overrides]
             if missing:
-                raise ValueError(
+                raise UserError(
                     f"model.preset is empty, so the [model] section must set {missing} "
                     "(or name a preset such as 'tiny-llama')"
                 )
             model_cfg = _in_model_section(ModelConfig, overrides)
         if self.data.seq_len > model_cfg.max_seq_len:
-            raise ValueError(
+            raise UserError(
                 f"data.seq_len={self.data.seq_len} exceeds the model's max_seq_len="
                 f"{model_cfg.max_seq_len}; lower data.seq_len or set model.max_seq_len"
             )
@@ -162,14 +163,14 @@ class JobConfig:
         global_batch = self.training.global_batch_size
         local, remainder = divmod(global_batch, dp_size)
         if remainder or local == 0:
-            raise ValueError(
+            raise UserError(
                 f"training.global_batch_size={global_batch} is not divisible by the "
                 f"data-parallel size {dp_size}; choose a multiple of {dp_size}"
             )
         par = self.parallel
         pieces = par.pp_microbatches or (par.pp if par.pp > 1 else 1)
         if local % pieces:
-            raise ValueError(
+            raise UserError(
                 f"the rank's batch of {local} sequences (training.global_batch_size="
                 f"{global_batch} / data-parallel size {dp_size}) does not split into {pieces} "
                 "pipeline microbatches; set training.micro_batch_size or "

@@ -101,19 +101,19 @@ def _merge_into(job: JobConfig, data: dict, source: str) -> None:
             owners = _sections_with_field(section_name, types_by_section)
             moved = (f"; {section_name} is a field: put it under "
                      f"{' or '.join(f'[{o}]' for o in owners)}" if owners else "")
-            raise ValueError(
+            raise UserError(
                 unknown_key_message(section_name, section_name, list(types_by_section), source)
                 + moved
             )
         if not isinstance(values, dict):
-            raise ValueError(f"{source}: [{section_name}] must be a table, got {values!r}")
+            raise UserError(f"{source}: [{section_name}] must be a table, got {values!r}")
         current = dataclasses.asdict(getattr(job, section_name))
         for key in values:
             if key not in current:
                 owners = _sections_with_field(key, types_by_section, but=section_name)
                 moved = (f"; {key} belongs in {' or '.join(f'[{o}]' for o in owners)}"
                          if owners else "")
-                raise ValueError(
+                raise UserError(
                     unknown_key_message(f"{section_name}.{key}", key, list(current), source)
                     + moved
                 )
@@ -121,7 +121,7 @@ def _merge_into(job: JobConfig, data: dict, source: str) -> None:
         try:
             section = coerce_dataclass(current, types_by_section[section_name], section_name)
         except ValueError as error:
-            raise ValueError(f"{source}: {error}") from None
+            raise UserError(f"{source}: {error}") from None
         setattr(job, section_name, section)
 
 
@@ -151,15 +151,15 @@ def load_job_config(
             with open(path, "rb") as handle:
                 data = tomllib.load(handle)
         except FileNotFoundError:
-            raise ValueError(f"config file {source!r} does not exist") from None
+            raise UserError(f"config file {source!r} does not exist") from None
         except IsADirectoryError:
-            raise ValueError(f"config file {source!r} is a directory; give a TOML file (e.g. "
-                             "one written by `densetrain plan --emit-config`)") from None
+            raise UserError(f"config file {source!r} is a directory; give a TOML file (e.g. "
+                            "one written by `densetrain plan --emit-config`)") from None
         except UnicodeDecodeError as error:
-            raise ValueError(f"config file {source!r} is not valid TOML: not UTF-8 text "
-                             f"({error})") from None
+            raise UserError(f"config file {source!r} is not valid TOML: not UTF-8 text "
+                            f"({error})") from None
         except tomllib.TOMLDecodeError as error:
-            raise ValueError(f"config file {source!r} is not valid TOML: {error}") from None
+            raise UserError(f"config file {source!r} is not valid TOML: {error}") from None
         job = job_config_from_dict(data, source=f"config file {source!r}", validate=False)
     parsed = parse_overrides(overrides or [])
     for key, value, text in parsed:
@@ -176,7 +176,7 @@ def parse_overrides(arguments: list[str]) -> list[tuple[str, str | None, str]]:
     while index < len(arguments):
         word = arguments[index]
         if not word.startswith("--") or len(word) <= 2:
-            raise ValueError(
+            raise UserError(
                 f"override {word!r} must look like --section.field=value or --section.field "
                 "value (e.g. --optim.lr=1e-3); a CONFIG file comes before the overrides"
             )
@@ -231,23 +231,23 @@ def apply_override(job: JobConfig, key: str, value: str | None, text: str | None
     parts = key.split(".")
     types_by_section = _section_types()
     if len(parts) < 2:
-        raise ValueError(
+        raise UserError(
             f"{where}: the key must be section.field, got {key!r}"
             + _bare_key_hint(key, value, types_by_section)
         )
     if parts[0] not in types_by_section:
-        raise ValueError(unknown_key_message(parts[0], parts[0], list(types_by_section), where))
+        raise UserError(unknown_key_message(parts[0], parts[0], list(types_by_section), where))
     section_name = parts[0]
     section_data = dataclasses.asdict(getattr(job, section_name))
     target = section_data
     for depth, part in enumerate(parts[1:-1], start=1):
         dotted = ".".join(parts[: depth + 1])
         if part not in target:
-            raise ValueError(unknown_key_message(dotted, part, list(target), where))
+            raise UserError(unknown_key_message(dotted, part, list(target), where))
         if target[part] is None:
             target[part] = {}
         if not isinstance(target[part], dict):
-            raise ValueError(f"{where}: {dotted} is not a table, it has no field {parts[-1]!r}")
+            raise UserError(f"{where}: {dotted} is not a table, it has no field {parts[-1]!r}")
         target = target[part]
     last = parts[-1]
     is_top_field = len(parts) == 2
@@ -256,7 +256,7 @@ def apply_override(job: JobConfig, key: str, value: str | None, text: str | None
         shown = _shown_value(value)
         moved = ("; it is a field of " + " or ".join(f"[{o}]: --{o}.{last}{shown}"
                                                      for o in owners)) if owners else ""
-        raise ValueError(unknown_key_message(key, last, list(target), where) + moved)
+        raise UserError(unknown_key_message(key, last, list(target), where) + moved)
     if value is None:
         value = "true"  # a bare --section.flag
     if is_top_field:
@@ -264,13 +264,13 @@ def apply_override(job: JobConfig, key: str, value: str | None, text: str | None
         try:
             target[last] = coerce(value, hints[last], key)
         except ValueError as error:
-            raise ValueError(f"{where}: {error}") from None
+            raise UserError(f"{where}: {error}") from None
     else:
         target[last] = value  # nested: coerced with the enclosing dataclass below
     try:
         section = coerce_dataclass(section_data, types_by_section[section_name], section_name)
     except ValueError as error:
-        raise ValueError(f"{where}: {error}") from None
+        raise UserError(f"{where}: {error}") from None
     setattr(job, section_name, section)
 
 

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from densetrain.config.sections import TrainingConfig
 from densetrain.data.config import DataConfig
+from densetrain.errors import UserError
 from densetrain.optim.config import ScheduleConfig
 from densetrain.parallel.config import ParallelConfig
 
@@ -53,7 +54,7 @@ def data_parallel_size(job: JobSections, world_size: int | None) -> int:
         return par.dp_replicate * max(par.dp_shard, 1)
     dp_shard, problem = resolve_dp_shard(par, world_size)
     if problem:
-        raise ValueError(problem)
+        raise UserError(problem)
     return par.dp_replicate * dp_shard
 
 
@@ -74,13 +75,13 @@ def _resolve_global_batch(job: JobSections) -> None:
         return
     seq_len = job.data.seq_len
     if training.global_batch_tokens % seq_len:
-        raise ValueError(
+        raise UserError(
             f"training.global_batch_tokens={training.global_batch_tokens} is not divisible "
             f"by data.seq_len={seq_len}; choose a multiple of {seq_len}"
         )
     derived = training.global_batch_tokens // seq_len
     if training.global_batch_size not in (_DEFAULT_GLOBAL_BATCH, derived):
-        raise ValueError(
+        raise UserError(
             f"training.global_batch_size={training.global_batch_size} disagrees with "
             f"training.global_batch_tokens={training.global_batch_tokens} / data.seq_len="
             f"{seq_len} = {derived}; set only one of them"
@@ -93,7 +94,7 @@ def _resolve_warmup(job: JobSections, dp_size: int) -> None:
     if schedule.warmup_tokens <= 0:
         return
     if schedule.warmup_steps > 0:
-        raise ValueError(
+        raise UserError(
             f"schedule.warmup_steps={schedule.warmup_steps} and schedule.warmup_tokens="
             f"{schedule.warmup_tokens} are both set; set only one of them"
         )
@@ -115,7 +116,7 @@ def validate_job(
     and checks batch divisibility against the data-parallel size the config fixes.
     """
     if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
-        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+        raise UserError(f"world size must be a positive integer, got {world_size!r}")
     for name, section in job.sections().items():
         validate = getattr(section, "validate", None)
         if validate is None:
@@ -124,7 +125,7 @@ def validate_job(
     if dp_size is None:
         dp_size = data_parallel_size(job, world_size)
     if not isinstance(dp_size, int) or dp_size < 1 or (world_size or dp_size) % dp_size:
-        raise ValueError(
+        raise UserError(
             f"data-parallel size must be a positive divisor of the world size {world_size}, "
             f"got {dp_size!r}"
         )
@@ -149,7 +150,7 @@ def _check_layout(job: JobSections, model_cfg: Any, world_size: int | None) -> N
                            batch_ramp=job.schedule.batch_ramp_start > 0,
                            float8=job.training.dtype == "float8")
     if reasons:
-        raise ValueError(reasons[0])
+        raise UserError(reasons[0])
 
 
 def _check_batch(job: JobSections, dp_size: int) -> None:
@@ -161,18 +162,18 @@ def _check_batch(job: JobSections, dp_size: int) -> None:
         return
     increment = schedule.batch_ramp_increment or unit
     if increment % unit:
-        raise ValueError(
+        raise UserError(
             f"schedule.batch_ramp_increment={increment} must be a multiple of "
             f"training.micro_batch_size × data-parallel size = {unit}"
         )
     if start % unit or start >= training.global_batch_size:
-        raise ValueError(
+        raise UserError(
             f"schedule.batch_ramp_start={start} must be a multiple of micro_batch_size × "
             f"data-parallel size = {unit} and below training.global_batch_size="
             f"{training.global_batch_size}"
         )
     if (training.global_batch_size - start) % increment:
-        raise ValueError(
+        raise UserError(
             f"training.global_batch_size - schedule.batch_ramp_start = "
             f"{training.global_batch_size - start} is not divisible by the ramp increment "
             f"{increment} (schedule.batch_ramp_increment, 0 = micro × dp)"
@@ -182,7 +183,7 @@ def _check_batch(job: JobSections, dp_size: int) -> None:
 def _check_schedule_fits_run(job: JobSections) -> None:
     schedule, steps = job.schedule, job.training.steps
     if schedule.warmup_steps >= steps:
-        raise ValueError(
+        raise UserError(
             f"schedule.warmup_steps={schedule.warmup_steps} must be shorter than the run "
             f"(training.steps={steps}); e.g. --schedule.warmup_steps={steps // 10}"
         )
@@ -191,7 +192,7 @@ def _check_schedule_fits_run(job: JobSections) -> None:
 
         decay_steps = wsd_decay_steps(schedule, steps)
         if schedule.warmup_steps + decay_steps > steps:
-            raise ValueError(
+            raise UserError(
                 f"schedule.warmup_steps={schedule.warmup_steps} + wsd decay steps {decay_steps} "
                 f"(schedule.decay_fraction={schedule.decay_fraction} × {steps}) exceed "
                 f"training.steps={steps}"

@@ -13,6 +13,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from densetrain.errors import UserError
 from densetrain.parallel.config import FLOAT8_RECIPES
 
 DTYPES = ("fp32", "bf16", "float8")
@@ -77,7 +78,7 @@ class TrainingConfig:
         _choice("training.nan_policy", self.nan_policy, NAN_POLICIES)
         _choice("training.host_allocator", self.host_allocator, HOST_ALLOCATORS)
         if not _DEVICE_PATTERN.match(self.device):
-            raise ValueError(
+            raise UserError(
                 f"training.device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', "
                 f"got {self.device!r}"
             )
@@ -141,25 +142,25 @@ class CheckpointConfig:
         interval = self.interval
         if interval != "auto" and not (isinstance(interval, int)
                                        and not isinstance(interval, bool) and interval >= 1):
-            raise ValueError(f"checkpoint.interval must be 'auto' or an integer >= 1, got "
-                             f"{interval!r}")
+            raise UserError(f"checkpoint.interval must be 'auto' or an integer >= 1, got "
+                            f"{interval!r}")
         _int_at_least("checkpoint.auto_initial_interval", self.auto_initial_interval, 1)
         _int_at_least("checkpoint.auto_min_interval", self.auto_min_interval, 1)
         prior = self.mtbf_prior_device_hours
         if not (isinstance(prior, (int, float)) and not isinstance(prior, bool)
                 and math.isfinite(prior) and prior > 0):
-            raise ValueError("checkpoint.mtbf_prior_device_hours must be a finite number of "
-                             f"hours > 0, got {prior!r}")
+            raise UserError("checkpoint.mtbf_prior_device_hours must be a finite number of "
+                            f"hours > 0, got {prior!r}")
         _int_at_least("checkpoint.keep_last", self.keep_last, 0)
         _choice("checkpoint.on_save_error", self.on_save_error, SAVE_ERROR_ACTIONS)
         from densetrain.storage_url import url_problem
 
         problem = url_problem("checkpoint.dir", self.dir)
         if problem is not None:
-            raise ValueError(problem)
+            raise UserError(problem)
         if not (isinstance(self.preemption_grace_s, (int, float))
                 and math.isfinite(self.preemption_grace_s) and self.preemption_grace_s > 0):
-            raise ValueError(
+            raise UserError(
                 "checkpoint.preemption_grace_s must be a number of seconds > 0, got "
                 f"{self.preemption_grace_s!r}"
             )
@@ -244,19 +245,19 @@ class LoggingConfig:
     def validate(self) -> None:
         """Raise ``ValueError`` naming ``logging.<field>`` when a value is out of range."""
         if not self.run_dir:
-            raise ValueError("logging.run_dir must be a non-empty directory path")
+            raise UserError("logging.run_dir must be a non-empty directory path")
         _int_at_least("logging.log_interval", self.log_interval, 1)
         _int_at_least("logging.sample_interval", self.sample_interval, 0)
         if not (math.isfinite(self.peak_tflops) and self.peak_tflops >= 0):
-            raise ValueError(
+            raise UserError(
                 f"logging.peak_tflops must be a finite number >= 0 (0 = measure or look up), "
                 f"got {self.peak_tflops}"
             )
         _choice("logging.wandb_mode", self.wandb_mode, WANDB_MODES)
         if self.wandb and not self.wandb_project:
-            raise ValueError("logging.wandb_project must be a non-empty W&B project name")
+            raise UserError("logging.wandb_project must be a non-empty W&B project name")
         if self.wandb and not _installed("wandb"):
-            raise ValueError(
+            raise UserError(
                 "logging.wandb=true needs the wandb package, which is not installed: "
                 "pip install 'densetrain[wandb]' (or set --logging.wandb=false)"
             )
@@ -279,12 +280,12 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}{hint}")
+        raise UserError(f"{name} must be one of {list(allowed)}, got {value!r}{hint}")
 
 
 def _int_at_least(name: str, value: int, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise UserError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 FAULT_ACTIONS = ("stop", "rollback")
@@ -388,7 +389,7 @@ class FaultsConfig:
                       self.rollback_min_steps + 1 if isinstance(self.rollback_min_steps, int)
                       else 1)
         if self.spike_min_history > self.spike_window:
-            raise ValueError(
+            raise UserError(
                 f"faults.spike_min_history ({self.spike_min_history}) must be <= "
                 f"faults.spike_window ({self.spike_window})"
             )
@@ -396,20 +397,20 @@ class FaultsConfig:
                      "hang_min_seconds", "hang_first_steps_seconds"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"faults.{name} must be a finite number > 0, got {value!r}")
+                raise UserError(f"faults.{name} must be a finite number > 0, got {value!r}")
         _choice("faults.nan_cap_action", self.nan_cap_action, FAULT_ACTIONS)
         _choice("faults.spike_action", self.spike_action, FAULT_ACTIONS)
         _choice("faults.sdc_action", self.sdc_action, FAULT_ACTIONS)
         margin = self.divergence_margin
         if not (isinstance(margin, (int, float)) and not isinstance(margin, bool)
                 and math.isfinite(margin) and margin >= 0):
-            raise ValueError("faults.divergence_margin must be a finite number of nats >= 0 "
-                             f"(0 turns the check off), got {margin!r}")
+            raise UserError("faults.divergence_margin must be a finite number of nats >= 0 "
+                            f"(0 turns the check off), got {margin!r}")
         tolerance = self.sdc_replay_tolerance
         if not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance)
                 and tolerance >= 0):
-            raise ValueError(f"faults.sdc_replay_tolerance must be a finite number >= 0, got "
-                             f"{tolerance!r}")
+            raise UserError(f"faults.sdc_replay_tolerance must be a finite number >= 0, got "
+                            f"{tolerance!r}")
         parse_sequence_ranges(self.skip_sequences, field_name="faults.skip_sequences")
 
 
@@ -420,7 +421,7 @@ def parse_sequence_ranges(text: str, *, field_name: str) -> list[tuple[int, int]
         start, sep, end = part.partition(":")
         if not (sep and start.strip().isdigit() and end.strip().isdigit()
                 and int(start) < int(end)):
-            raise ValueError(
+            raise UserError(
                 f"{field_name}: {part!r} is not a range 'start:end' of sequence positions with "
                 "0 <= start < end (ranges separated by commas)"
             )

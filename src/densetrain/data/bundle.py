@@ -28,7 +28,7 @@ def _dataset_tokenizer(paths: list[Path], metas: list[dict], expected: str) -> T
     first = metas[0]["tokenizer"]["fingerprint"]
     for path, meta in zip(paths, metas, strict=True):
         if meta["tokenizer"]["fingerprint"] != first:
-            raise ValueError(
+            raise UserError(
                 f"dataset {path} was prepared with a different tokenizer than {paths[0]} "
                 f"(fingerprints {meta['tokenizer']['fingerprint'][:12]} vs {first[:12]}); "
                 "prepare every dataset of a mixture with the same tokenizer"
@@ -37,7 +37,7 @@ def _dataset_tokenizer(paths: list[Path], metas: list[dict], expected: str) -> T
     if expected:
         wanted = load_tokenizer(expected)
         if wanted.fingerprint != first:
-            raise ValueError(
+            raise UserError(
                 f"data.tokenizer {expected} differs from the tokenizer the datasets were "
                 f"prepared with (fingerprint {wanted.fingerprint[:12]} vs {first[:12]}); "
                 "prepare the data again with this tokenizer"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from densetrain.data.config import DataConfig
 from densetrain.data.remote import resolve_dataset
 from densetrain.data.shards import load_dataset_tokenizer, load_metadata
-from densetrain.errors import UserError
+from densetrain.errors import UserError, UserFileNotFoundError
 
 
 @dataclass(kw_only=True)
@@ -37,7 +37,7 @@ def data_vocabulary(cfg: DataConfig) -> DataVocabulary:
         root = source.root
         if not root.is_dir():
             what = "is a file, not a directory" if root.exists() else "does not exist"
-            raise FileNotFoundError(
+            raise UserFileNotFoundError(
                 f"data.datasets: {path!r} {what}; give directories written by "
                 "`densetrain data prepare`"
             )

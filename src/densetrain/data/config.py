@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from densetrain.errors import UserError
+
 
 @dataclass(kw_only=True)
 class DataConfig:
@@ -55,40 +57,40 @@ class DataConfig:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid field."""
         if self.seq_len < 1:
-            raise ValueError(f"data.seq_len must be >= 1, got {self.seq_len}")
+            raise UserError(f"data.seq_len must be >= 1, got {self.seq_len}")
         from densetrain.storage_url import url_problem  # torch-free, touches no server
 
         for i, entry in enumerate(self.datasets):
             problem = url_problem(f"data.datasets[{i}]", entry)
             if problem is not None:
-                raise ValueError(problem)
+                raise UserError(problem)
         if isinstance(self.cache_max_bytes, bool) or not (
                 isinstance(self.cache_max_bytes, int) and self.cache_max_bytes > 0):
-            raise ValueError(f"data.cache_max_bytes must be an integer number of bytes > 0, got "
-                             f"{self.cache_max_bytes!r}")
+            raise UserError(f"data.cache_max_bytes must be an integer number of bytes > 0, got "
+                            f"{self.cache_max_bytes!r}")
         if self.weights:
             if self.datasets and len(self.weights) != len(self.datasets):
-                raise ValueError(
+                raise UserError(
                     f"data.weights has {len(self.weights)} entries but data.datasets has "
                     f"{len(self.datasets)}; give one weight per dataset or none (equal weights)"
                 )
             if not self.datasets and len(self.weights) != 1:
-                raise ValueError(
+                raise UserError(
                     "data.weights must be empty or have one entry when data.datasets is empty "
                     "(the default corpus is a single source)"
                 )
             validate_weights(self.weights, field_name="data.weights")
         if not (self.max_epochs_warning > 0):
-            raise ValueError(f"data.max_epochs_warning must be > 0, got {self.max_epochs_warning}")
+            raise UserError(f"data.max_epochs_warning must be > 0, got {self.max_epochs_warning}")
         if self.default_vocab_size < 260:
-            raise ValueError(
+            raise UserError(
                 "data.default_vocab_size must be >= 260 (256 byte tokens + special tokens), "
                 f"got {self.default_vocab_size}"
             )
         if self.default_max_files < 0:
-            raise ValueError(f"data.default_max_files must be >= 0, got {self.default_max_files}")
+            raise UserError(f"data.default_max_files must be >= 0, got {self.default_max_files}")
         if not (0.0 <= self.default_val_fraction < 1.0):
-            raise ValueError(
+            raise UserError(
                 f"data.default_val_fraction must be in [0, 1), got {self.default_val_fraction}"
             )
 
@@ -97,6 +99,6 @@ def validate_weights(weights: list[float], *, field_name: str = "weights") -> No
     """Raise ``ValueError`` unless every weight is finite and >= 0 and their sum is > 0."""
     for i, weight in enumerate(weights):
         if not math.isfinite(weight) or weight < 0:
-            raise ValueError(f"{field_name}[{i}] must be a finite number >= 0, got {weight}")
+            raise UserError(f"{field_name}[{i}] must be a finite number >= 0, got {weight}")
     if sum(weights) <= 0:
-        raise ValueError(f"{field_name} must sum to a positive number, got {list(weights)}")
+        raise UserError(f"{field_name} must sum to a positive number, got {list(weights)}")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from densetrain.data.hashing import mix64
+from densetrain.errors import UserError
 
 _WORDS = re.compile(r"\w+", re.UNICODE)
 _SPACES = re.compile(r"\s+")
@@ -37,14 +38,14 @@ class MinHashConfig:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad field."""
         if self.shingle_size < 1:
-            raise ValueError(f"minhash shingle_size must be >= 1, got {self.shingle_size}")
+            raise UserError(f"minhash shingle_size must be >= 1, got {self.shingle_size}")
         if self.num_perm < 1 or self.bands < 1 or self.num_perm % self.bands:
-            raise ValueError(
+            raise UserError(
                 f"minhash num_perm ({self.num_perm}) must be a positive multiple of bands "
                 f"({self.bands})"
             )
         if not (0.0 < self.threshold <= 1.0):
-            raise ValueError(f"minhash threshold must be in (0, 1], got {self.threshold}")
+            raise UserError(f"minhash threshold must be in (0, 1], got {self.threshold}")
 
 
 def normalized_hash(text: str) -> int:

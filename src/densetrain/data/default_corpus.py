@@ -19,6 +19,7 @@ from densetrain.data.prepare import PrepareConfig, prepare_dataset
 from densetrain.data.shards import FORMAT, META_FILE
 from densetrain.data.sources import ReadStats, decode_utf8
 from densetrain.data.tokenizer import train_tokenizer
+from densetrain.errors import UserFileNotFoundError
 
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -41,7 +42,7 @@ def stdlib_files(max_files: int = 0) -> list[Path]:
         relative.extend((base / n).as_posix() for n in names if n.endswith(".py"))
     files = [root / rel for rel in sorted(relative)]
     if not files:
-        raise FileNotFoundError(f"no standard-library sources found under {root}")
+        raise UserFileNotFoundError(f"no standard-library sources found under {root}")
     return files[:max_files] if max_files else files
 
 

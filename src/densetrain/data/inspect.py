@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from densetrain.data.shards import TokenStore, load_dataset_tokenizer, load_metadata
+from densetrain.errors import UserError
 from densetrain.values import is_int_at_least
 
 
@@ -17,11 +18,11 @@ def inspect_dataset(
     """Summary of one split of a prepared dataset (plain JSON-able values)."""
     for name, value in (("sample_tokens", sample_tokens), ("top_k", top_k)):
         if not is_int_at_least(value, 0):
-            raise ValueError(f"{name} must be an integer >= 0 (0: none shown), got {value!r}")
+            raise UserError(f"{name} must be an integer >= 0 (0: none shown), got {value!r}")
     root = Path(path)
     meta = load_metadata(root)
     if split not in meta["splits"]:
-        raise ValueError(f"split {split!r} not in {root}; splits: {sorted(meta['splits'])}")
+        raise UserError(f"split {split!r} not in {root}; splits: {sorted(meta['splits'])}")
     store = TokenStore(root, split, meta)
     tokenizer = load_dataset_tokenizer(root, meta)
     lengths = np.diff(np.r_[store.doc_starts, store.num_tokens]) if store.num_documents else []

@@ -35,7 +35,7 @@ from densetrain.data.shards import (
 )
 from densetrain.data.sources import ReadStats, describe_sources, expand_inputs, iter_documents
 from densetrain.data.tokenizer import HF_CONFIG_FILE, Tokenizer, hf_config_path, load_tokenizer
-from densetrain.errors import UserError
+from densetrain.errors import UserError, UserFileExistsError
 
 PROGRESS_FILE = "progress.json"
 
@@ -59,13 +59,13 @@ class PrepareConfig:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad field."""
         if not (0.0 <= self.val_fraction < 1.0):
-            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+            raise UserError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.shard_tokens < 1:
-            raise ValueError(f"shard_tokens must be >= 1, got {self.shard_tokens}")
+            raise UserError(f"shard_tokens must be >= 1, got {self.shard_tokens}")
         if self.batch_bytes < 1:
-            raise ValueError(f"batch_bytes must be >= 1, got {self.batch_bytes}")
+            raise UserError(f"batch_bytes must be >= 1, got {self.batch_bytes}")
         if self.on_bad_line not in ("error", "skip"):
-            raise ValueError(f"on_bad_line must be 'error' or 'skip', got {self.on_bad_line!r}")
+            raise UserError(f"on_bad_line must be 'error' or 'skip', got {self.on_bad_line!r}")
         self.minhash.validate()
 
     def settings_hash(self) -> str:
@@ -100,7 +100,7 @@ class _Buffer:
         flat = np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, count=total)
         top, low = int(flat.max()), int(flat.min())
         if top >= self.vocab_size or top > np.iinfo(self.dtype).max or low < 0:
-            raise ValueError(
+            raise UserError(
                 f"token id {top if low >= 0 else low} is outside the tokenizer's vocabulary "
                 f"({self.vocab_size}) or the shard dtype {self.dtype}; no shard was written "
                 "for these documents"
@@ -458,18 +458,18 @@ def claim_output_dir(out: Path, overwrite: bool) -> OutputClaim:
     if entries and (foreign or not any((out / m).exists() for m in _MARKERS)):
         shown = ", ".join(foreign[:3] or [p.name for p in entries[:3]])
         more = " (--overwrite replaces only a densetrain dataset)" if overwrite else ""
-        raise FileExistsError(
+        raise UserFileExistsError(
             f"output directory {out} is not empty and is not a prepared dataset or an "
             f"interrupted prepare (it holds {shown}); choose a new or empty directory{more}"
         )
     if entries and overwrite:
         stage = _sibling(out, "prepare-new")
         if stage.exists() and (not stage.is_dir() or _foreign_entries(stage)):
-            raise FileExistsError(f"{stage} is in the way of replacing {out}: it is not "
-                                  "densetrain's; move or remove it")
+            raise UserFileExistsError(f"{stage} is in the way of replacing {out}: it is not "
+                                      "densetrain's; move or remove it")
         return OutputClaim(out.resolve(), stage, stage.exists())
     if (out / META_FILE).exists():
-        raise FileExistsError(
+        raise UserFileExistsError(
             f"{out} is already a prepared dataset; choose another --output or replace it with "
             "--overwrite (overwrite=True in Python)"
         )
@@ -513,7 +513,7 @@ def prepare_dataset(
     if claim.staged and ((out / WORK_DIR).exists() or (out / META_FILE).exists()):
         claim.reset()  # an unfinished --overwrite of another kind: start it again
     if (out / WORK_DIR).is_dir():
-        raise FileExistsError(
+        raise UserFileExistsError(
             f"{out} holds an interrupted prepare of several workers; rerun it with the same "
             "--workers (or --distributed), or start again with --overwrite"
         )

@@ -44,7 +44,7 @@ import numpy as np
 
 from densetrain.data.default_corpus import default_cache_dir
 from densetrain.data.shards import META_FILE, atomic_write_bytes, load_metadata
-from densetrain.errors import DamagedFileError, UserError
+from densetrain.errors import DamagedFileError, UserError, UserFileExistsError
 from densetrain.storage_url import _URL_RE, EXTRA_HINT, is_remote, url_problem, url_scheme
 
 DEFAULT_CACHE_MAX_BYTES = 20 << 30
@@ -411,8 +411,8 @@ def prepare_to_url(prepare, inputs: list[str], url: str, *, overwrite: bool = Fa
     meta_path = f"{path}/{META_FILE}"
     fs.invalidate_cache()
     if fs.exists(meta_path) and not overwrite:
-        raise FileExistsError(f"{url} is already a prepared dataset; choose another --output or "
-                              "replace it with --overwrite (overwrite=True in Python)")
+        raise UserFileExistsError(f"{url} is already a prepared dataset; choose another --output "
+                                  "or replace it with --overwrite (overwrite=True in Python)")
     staging = default_cache_dir("") / "remote" / "prepare" / _url_hash(url)
     if (staging / META_FILE).exists():  # prepared, then the upload failed: start again clean
         shutil.rmtree(staging)

@@ -35,7 +35,7 @@ from densetrain.data.scaleout_tasks import run_decide, run_scan, run_write, scan
 from densetrain.data.shards import META_FILE, atomic_write_json, dtype_for_vocab
 from densetrain.data.sources import ReadStats, expand_inputs
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer
-from densetrain.errors import UserError
+from densetrain.errors import UserError, UserFileExistsError
 
 
 class ResumableFailure(UserError):
@@ -74,8 +74,8 @@ def start_work(inputs: list[str], out: Path, tok: Tokenizer, cfg: PrepareConfig,
     if claim.staged and not (work / "manifest.json").is_file() and out.exists():
         claim.reset()  # an unfinished --overwrite of another kind: start it again
     if (out / PROGRESS_FILE).exists() and not work.is_dir():
-        raise FileExistsError(f"{out} holds an interrupted single-process prepare; rerun it "
-                              "without --workers, or start again with --overwrite")
+        raise UserFileExistsError(f"{out} holds an interrupted single-process prepare; rerun it "
+                                  "without --workers, or start again with --overwrite")
     manifest = {
         "settings_hash": cfg.settings_hash(),
         "tokenizer_fingerprint": tok.fingerprint,
@@ -160,18 +160,18 @@ def _task_entry(fn: Callable, phase: str, rank: int, work: str, threads: int, ar
     try:
         fn(*args)
     except BaseException as error:  # noqa: BLE001 - reported by the parent, naming the worker
-        from densetrain.errors import USER_ERROR_TYPES
+        from densetrain.errors import is_user_error
 
-        message = str(error) if isinstance(error, USER_ERROR_TYPES) else (
+        message = str(error) if is_user_error(error) else (
             f"internal error {type(error).__name__}: {error}")
         atomic_write_json(Path(work) / "errors" / f"{phase}-{rank:05d}.json",
-                          {"message": message, "input_error": isinstance(error, ValueError)})
+                          {"message": message, "input_error": isinstance(error, UserError)})
         sys.exit(1)
     pid_file.unlink()
 
 
 def _failure(phase: str, rank: int, who: str, exitcode: int, work: Path) -> tuple[str, bool]:
-    """What a worker's failure was, and whether it was an error in the input (a ValueError)."""
+    """What a worker's failure was, and whether it was an error in the input (a UserError)."""
     error_file = work / "errors" / f"{phase}-{rank:05d}.json"
     input_error = False
     if error_file.is_file():

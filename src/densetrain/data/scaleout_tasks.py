@@ -41,6 +41,7 @@ from densetrain.data.shards import (
 )
 from densetrain.data.sources import ReadStats, describe_sources, iter_documents
 from densetrain.data.tokenizer import Tokenizer
+from densetrain.errors import UserError
 
 KEPT, EMPTY = 0, 1  # document status codes of a scan; quality reason i is 2 + i
 TRAIN, VAL, REMOVED = 0, 1, 2  # document fate codes of the decision
@@ -57,7 +58,7 @@ def _check_ids(flat: np.ndarray, vocab_size: int, dtype: np.dtype) -> None:
         return
     top, low = int(flat.max()), int(flat.min())
     if top >= vocab_size or top > np.iinfo(dtype).max or low < 0:
-        raise ValueError(
+        raise UserError(
             f"token id {top if low >= 0 else low} is outside the tokenizer's vocabulary "
             f"({vocab_size}) or the shard dtype {dtype}; no shard was written for these documents"
         )

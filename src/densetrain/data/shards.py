@@ -35,7 +35,12 @@ from pathlib import Path
 
 import numpy as np
 
-from densetrain.errors import DamagedFileError, UserError
+from densetrain.errors import (
+    DamagedFileError,
+    UserError,
+    UserFileNotFoundError,
+    UserNotADirectoryError,
+)
 
 FORMAT = "densetrain-tokens-v2"
 FORMAT_WITHOUT_CHECKSUMS = "densetrain-tokens-v1"
@@ -50,7 +55,7 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
         return np.dtype(np.uint16)
     if vocab_size <= 1 << 32:
         return np.dtype(np.uint32)
-    raise ValueError(f"vocab_size {vocab_size} does not fit in uint32 token ids")
+    raise UserError(f"vocab_size {vocab_size} does not fit in uint32 token ids")
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -112,17 +117,17 @@ def load_metadata(root: str | os.PathLike) -> dict:
     (`check_metadata`); clear errors when missing, incomplete or damaged."""
     root = Path(root)
     if root.exists() and not root.is_dir():
-        raise NotADirectoryError(
+        raise UserNotADirectoryError(
             f"{root} is a file, not a directory; give a prepared dataset directory (one written "
             "by `densetrain data prepare`)"
         )
     if not root.is_dir():
-        raise FileNotFoundError(f"prepared dataset directory {root} does not exist")
+        raise UserFileNotFoundError(f"prepared dataset directory {root} does not exist")
     meta_path = root / META_FILE
     if not meta_path.is_file():
         interrupted = (root / "progress.json").exists()
         hint = " (an interrupted prepare: rerun it to finish)" if interrupted else ""
-        raise FileNotFoundError(
+        raise UserFileNotFoundError(
             f"{root} is not a complete prepared dataset: no {META_FILE}{hint}; give a directory "
             "written by `densetrain data prepare`"
         )

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from densetrain.errors import UserError
+from densetrain.errors import UserError, UserFileNotFoundError
 
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 _PARQUET_SUFFIXES = (".parquet",)
@@ -143,14 +143,14 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
     skipped.
     """
     if not inputs:
-        raise ValueError("inputs: no input paths given")
+        raise UserError("inputs: no input paths given")
     files: list[Path] = []
     for entry in inputs:
         if any(ch in entry for ch in "*?["):
             matches = sorted(Path(p) for p in glob.glob(entry, recursive=True))
             matched_files = [p for p in matches if p.is_file()]
             if not matched_files:
-                raise FileNotFoundError(
+                raise UserFileNotFoundError(
                     f"input glob {entry!r} matches no files; check the pattern (quote it so "
                     "the shell does not expand it)"
                 )
@@ -164,20 +164,20 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
             odd = sorted(p for p in entries if not p.is_file() and not p.is_dir())
             if odd:
                 more = f" ({len(odd)} such entries, the first named)" if len(odd) > 1 else ""
-                raise FileNotFoundError(
+                raise UserFileNotFoundError(
                     f"{_not_an_input(str(odd[0]), odd[0])}; it is inside input directory "
                     f"{entry!r}{more}: remove or repair it, or name the files to read"
                 )
             found = sorted(p for p in entries if p.is_file())
             if not found:
-                raise FileNotFoundError(
+                raise UserFileNotFoundError(
                     f"input directory {entry!r} contains no files (hidden files are skipped)"
                 )
             files.extend(found)
         elif path.is_file():
             files.append(path)
         else:
-            raise FileNotFoundError(_not_an_input(entry, path))
+            raise UserFileNotFoundError(_not_an_input(entry, path))
     return files
 
 
@@ -443,7 +443,7 @@ def iter_documents(
     """Stream documents: a JSONL line or Parquet row is one; a text file is one, or, with
     ``text_separator`` (e.g. ``"\\n\\n"``), each piece between separators is one."""
     if on_bad_line not in ("error", "skip"):
-        raise ValueError(f"on_bad_line must be 'error' or 'skip', got {on_bad_line!r}")
+        raise UserError(f"on_bad_line must be 'error' or 'skip', got {on_bad_line!r}")
     files = list(files)
     return DocumentStream(files, stats, _documents(files, text_field, on_bad_line,
                                                    text_separator, stats))

@@ -80,7 +80,7 @@ class BatchStream:
         self.num_sequences = [(s.num_tokens - 1) // seq_len for s in stores]
         for name, store, count in zip(self.names, stores, self.num_sequences, strict=True):
             if count < 1:
-                raise ValueError(
+                raise UserError(
                     f"seq_len {seq_len} is longer than dataset {name} ({store.split} split has "
                     f"{store.num_tokens} tokens; a sample needs seq_len + 1)"
                 )
@@ -100,7 +100,7 @@ class BatchStream:
         merged: list[tuple[int, int]] = []
         for start, end in sorted(ranges):
             if not 0 <= start < end:
-                raise ValueError(f"a skip range needs 0 <= start < end, got {(start, end)}")
+                raise UserError(f"a skip range needs 0 <= start < end, got {(start, end)}")
             if merged and start <= merged[-1][1]:
                 merged[-1] = (merged[-1][0], max(merged[-1][1], end))
             else:
@@ -144,7 +144,7 @@ class BatchStream:
     def batch_at(self, start: int, global_batch_size: int) -> Batch:
         """This rank's slice of the global batch of samples ``[start, start + gbs)`` (pure)."""
         if global_batch_size < 1 or global_batch_size % self.dp_size:
-            raise ValueError(
+            raise UserError(
                 f"global_batch_size {global_batch_size} must be a positive multiple of "
                 f"dp_size {self.dp_size}"
             )

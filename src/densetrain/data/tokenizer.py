@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from densetrain.errors import UserError
+from densetrain.errors import UserError, UserFileNotFoundError
 
 HF_CONFIG_FILE = "tokenizer_config.json"
 HF_TOKENIZER_FILE = "tokenizer.json"
@@ -176,7 +176,7 @@ def _load_hf(path: Path, config_names: dict[str, str] | None = None) -> Tokenize
     try:
         backend = HFTokenizer.from_file(str(path))
     except Exception as e:  # the Rust error says what was wrong in the file
-        raise ValueError(f"tokenizer file {path} could not be read as tokenizer.json: {e}") from e
+        raise UserError(f"tokenizer file {path} could not be read as tokenizer.json: {e}") from e
     # Text that looks like a special token (e.g. "<|eos|>" inside a document) stays plain text.
     backend.encode_special_tokens = True
     config_path = path.parent / HF_CONFIG_FILE
@@ -186,7 +186,7 @@ def _load_hf(path: Path, config_names: dict[str, str] | None = None) -> Tokenize
     if roles["eos_token"] is None:
         beside = (f"; {config_path} names none (or was written for another tokenizer)"
                   if config_path.is_file() else "")
-        raise ValueError(
+        raise UserError(
             f"tokenizer {path} has no end-of-sequence token; expected one of {list(_EOS_NAMES)}, "
             f"or a {HF_CONFIG_FILE} beside it whose eos_token is in the vocabulary{beside}"
         )
@@ -208,10 +208,10 @@ def _load_sentencepiece(path: Path) -> Tokenizer:
     try:
         backend = spm.SentencePieceProcessor(model_file=str(path))
     except Exception as e:
-        raise ValueError(f"tokenizer file {path} is not a SentencePiece model: {e}") from e
+        raise UserError(f"tokenizer file {path} is not a SentencePiece model: {e}") from e
     eos_id = backend.eos_id()
     if eos_id < 0:
-        raise ValueError(f"SentencePiece model {path} has no end-of-sequence id (eos_id = -1)")
+        raise UserError(f"SentencePiece model {path} has no end-of-sequence id (eos_id = -1)")
     bos_id, pad_id = backend.bos_id(), backend.pad_id()
     return Tokenizer(
         backend=backend,
@@ -232,15 +232,15 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         candidates = [path / "tokenizer.json", path / "tokenizer.model"]
         found = [c for c in candidates if c.is_file()]
         if not found:
-            raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in directory {path}")
+            raise UserFileNotFoundError(f"no tokenizer.json or tokenizer.model in directory {path}")
         path = found[0]
     if not path.is_file():
-        raise FileNotFoundError(f"tokenizer file {path} does not exist")
+        raise UserFileNotFoundError(f"tokenizer file {path} does not exist")
     if path.suffix == ".model":
         return _load_sentencepiece(path)
     if path.suffix == ".json":
         return _load_hf(path)
-    raise ValueError(
+    raise UserError(
         f"tokenizer file {path}: unknown kind; expected tokenizer.json or a SentencePiece .model"
     )
 
@@ -476,7 +476,7 @@ def write_hf_tokenizer_files(
     no ``tokenizer.json`` to hand over. Returns the written paths.
     """
     if tokenizer.kind != "hf":
-        raise ValueError(
+        raise UserError(
             f"tokenizer {tokenizer.path} is a SentencePiece model; only tokenizer.json "
             "tokenizers are exported as Hugging Face tokenizer files"
         )

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from densetrain.errors import UserError
 from densetrain.eval.scoring import LogLikelihoodScorer, Segment, SegmentScore
 from densetrain.eval.tasks import Example, MultipleChoiceTask
 
@@ -107,7 +108,7 @@ def fewshot_prompt(task: MultipleChoiceTask, index: int, shots: int, seed: int) 
         pool = task.examples if own_pool else task.fewshot_examples
         candidates = [i for i in range(len(pool)) if not (own_pool and i == index)]
         if shots > len(candidates):
-            raise ValueError(
+            raise UserError(
                 f"task {task.name!r}: {shots} shots requested but the few-shot pool holds "
                 f"{len(candidates)} examples"
             )
@@ -150,7 +151,7 @@ def evaluate_task(
     from densetrain.eval.perplexity import prefix_token_id
 
     if shots < 0 or limit < 0:
-        raise ValueError(f"shots and limit must be >= 0, got {shots} and {limit}")
+        raise UserError(f"shots and limit must be >= 0, got {shots} and {limit}")
     examples: list[Example] = task.examples[:limit] if limit else task.examples
     scorer = LogLikelihoodScorer(model, max_len=max_len, batch_size=batch_size)
     prompts = [fewshot_prompt(task, i, shots, seed) for i in range(len(examples))]

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from densetrain.errors import MissingDependencyError, UserError, UserNotADirectoryError
 from densetrain.eval.harness import loglikelihoods
 from densetrain.eval.perplexity import prefix_token_id
 from densetrain.eval.scoring import LogLikelihoodScorer, rolling_segments
@@ -103,7 +104,7 @@ class HarnessAdapter:
 
         unknown = sorted(set(gen_kwargs) - set(_GEN_KEYS))
         if unknown:
-            raise ValueError(f"unsupported gen_kwargs {unknown}; supported: {list(_GEN_KEYS)}")
+            raise UserError(f"unsupported gen_kwargs {unknown}; supported: {list(_GEN_KEYS)}")
         until = gen_kwargs.get("until") or []
         until = [until] if isinstance(until, str) else list(until)
         max_new = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
@@ -129,7 +130,7 @@ def _require_lm_eval() -> None:
     try:
         import lm_eval  # noqa: F401
     except ImportError as error:
-        raise ImportError(
+        raise MissingDependencyError(
             "lm-evaluation-harness is not installed; `pip install lm-eval` to use it"
         ) from error
 
@@ -161,7 +162,7 @@ def harness_task_manager(include_path: str | os.PathLike | None = None):
     ``include_path`` (a directory; ``NotADirectoryError`` naming it when it is not one)."""
     if include_path is not None and not Path(include_path).is_dir():
         what = "is a file" if Path(include_path).exists() else "does not exist"
-        raise NotADirectoryError(
+        raise UserNotADirectoryError(
             f"include path {include_path} {what}; give a directory of harness task YAML files"
         )
     _require_lm_eval()
@@ -194,8 +195,8 @@ def run_lm_eval(
     missing = unknown_tasks(task_manager, tasks)
     if missing:
         where = f" or under {include_path}" if include_path is not None else ""
-        raise ValueError(f"unknown harness task(s) {missing}: not lm-evaluation-harness tasks"
-                         f"{where}")
+        raise UserError(f"unknown harness task(s) {missing}: not lm-evaluation-harness tasks"
+                        f"{where}")
     lm = make_lm_eval_model(model, tokenizer, **options)
     import lm_eval
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from densetrain.errors import UserError
 from densetrain.eval.scoring import LogLikelihoodScorer, rolling_segments
 
 _PREFIXES = ("eos", "bos")
@@ -55,14 +56,14 @@ class PerplexityConfig:
         """Raise ``ValueError`` naming the first invalid field."""
         for name in ("seq_len", "stride", "max_documents"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+                raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("batch_size", "encode_batch"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prefix not in _PREFIXES:
-            raise ValueError(f"prefix must be one of {list(_PREFIXES)}, got {self.prefix!r}")
+            raise UserError(f"prefix must be one of {list(_PREFIXES)}, got {self.prefix!r}")
         if self.seq_len and self.stride > self.seq_len:
-            raise ValueError(f"stride {self.stride} exceeds seq_len {self.seq_len}")
+            raise UserError(f"stride {self.stride} exceeds seq_len {self.seq_len}")
 
 
 @dataclass(kw_only=True)
@@ -113,10 +114,10 @@ class PerplexityResult:
 def prefix_token_id(tokenizer, prefix: str) -> int:
     """The id of the ``eos`` or ``bos`` token of ``tokenizer``; ``ValueError`` if it has none."""
     if prefix not in _PREFIXES:
-        raise ValueError(f"prefix must be one of {list(_PREFIXES)}, got {prefix!r}")
+        raise UserError(f"prefix must be one of {list(_PREFIXES)}, got {prefix!r}")
     token_id = tokenizer.eos_id if prefix == "eos" else tokenizer.bos_id
     if token_id is None:
-        raise ValueError(f"tokenizer {tokenizer.path} has no {prefix} token; use another prefix")
+        raise UserError(f"tokenizer {tokenizer.path} has no {prefix} token; use another prefix")
     return int(token_id)
 
 
@@ -124,7 +125,7 @@ def _resolved_lengths(model: torch.nn.Module, cfg: PerplexityConfig) -> tuple[in
     seq_len = cfg.seq_len or model.config.max_seq_len
     stride = cfg.stride or seq_len
     if stride > seq_len:
-        raise ValueError(f"stride {stride} exceeds the window of {seq_len} tokens")
+        raise UserError(f"stride {stride} exceeds the window of {seq_len} tokens")
     return seq_len, stride
 
 
@@ -200,9 +201,9 @@ def file_perplexity(
     documents = iter_documents(files, text_field=text_field, stats=stats)
     result = text_perplexity(model, tokenizer, documents, cfg)
     if result.tokens == 0:  # a loss of 0 nats over 0 tokens is no measurement
-        raise ValueError(f"inputs {[str(p) for p in inputs]} hold no text to score: "
-                         f"{result.documents} documents, 0 tokens{stats.skipped_note()}; give "
-                         "text, JSONL or Parquet files with some text in them")
+        raise UserError(f"inputs {[str(p) for p in inputs]} hold no text to score: "
+                        f"{result.documents} documents, 0 tokens{stats.skipped_note()}; give "
+                        "text, JSONL or Parquet files with some text in them")
     return result
 
 
@@ -228,10 +229,10 @@ def dataset_perplexity(
     meta = load_metadata(root)
     if split not in meta["splits"] or meta["splits"][split]["num_tokens"] == 0:
         present = [k for k, v in meta["splits"].items() if v["num_tokens"]]
-        raise ValueError(f"dataset {root} has no tokens in split {split!r}; splits: {present}")
+        raise UserError(f"dataset {root} has no tokens in split {split!r}; splits: {present}")
     stored = load_dataset_tokenizer(root, meta)  # checked against its meta.json
     if tokenizer is not None and tokenizer.fingerprint != stored.fingerprint:
-        raise ValueError(
+        raise UserError(
             f"tokenizer {tokenizer.path} differs from the one dataset {root} was prepared with "
             f"(fingerprints {tokenizer.fingerprint[:12]} vs {stored.fingerprint[:12]})"
         )

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from densetrain.errors import UserError
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -62,9 +64,9 @@ def rolling_segments(
     """
     stride = max_len if stride is None else stride
     if max_len < 1:
-        raise ValueError(f"max_len must be >= 1, got {max_len}")
+        raise UserError(f"max_len must be >= 1, got {max_len}")
     if not 1 <= stride <= max_len:
-        raise ValueError(f"stride must be in [1, max_len={max_len}], got {stride}")
+        raise UserError(f"stride must be in [1, max_len={max_len}], got {stride}")
     sequence = [int(prefix_id), *token_ids]
     segments = []
     first, block = 1, max_len
@@ -91,14 +93,14 @@ class LogLikelihoodScorer:
         self.model = model
         self.max_len = max_len or cfg.max_seq_len
         if self.max_len < 1:
-            raise ValueError(f"max_len must be >= 1, got {self.max_len}")
+            raise UserError(f"max_len must be >= 1, got {self.max_len}")
         if cfg.position_embedding == "learned" and self.max_len > cfg.max_seq_len:
-            raise ValueError(
+            raise UserError(
                 f"max_len {self.max_len} exceeds max_seq_len {cfg.max_seq_len} of a model with "
                 "learned positions"
             )
         if batch_size < 1 or logits_chunk_tokens < 1:
-            raise ValueError(
+            raise UserError(
                 f"batch_size and logits_chunk_tokens must be >= 1, got {batch_size} and "
                 f"{logits_chunk_tokens}"
             )
@@ -160,7 +162,7 @@ class LogLikelihoodScorer:
             document_BS[b, offset:] = len(row)  # padding: a document of its own
         largest = max(int(tokens_BS.max()), int(targets_BS.max()))
         if largest >= self.vocab_size:
-            raise ValueError(
+            raise UserError(
                 f"token id {largest} is outside the model's vocabulary ({self.vocab_size}); "
                 "was the text encoded with the model's tokenizer?"
             )

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from densetrain.errors import UserError
+
 _REQUIRED_KEYS = ("context", "choices", "label")
 _ALLOWED_KEYS = (*_REQUIRED_KEYS, "id", "meta")
 
@@ -72,22 +74,22 @@ class MultipleChoiceTask:
 
 def _example_from_json(record: object, where: str) -> Example:
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        raise UserError(f"{where}: expected a JSON object, got {type(record).__name__}")
     missing = [k for k in _REQUIRED_KEYS if k not in record]
     unknown = [k for k in record if k not in _ALLOWED_KEYS]
     if missing or unknown:
         problem = f"missing {missing}" if missing else f"unknown keys {unknown}"
-        raise ValueError(f"{where}: {problem}; allowed keys: {list(_ALLOWED_KEYS)}")
+        raise UserError(f"{where}: {problem}; allowed keys: {list(_ALLOWED_KEYS)}")
     context, choices, label = record["context"], record["choices"], record["label"]
     if not isinstance(context, str):
-        raise ValueError(f"{where}: 'context' must be a string, got {type(context).__name__}")
+        raise UserError(f"{where}: 'context' must be a string, got {type(context).__name__}")
     if not (isinstance(choices, list) and len(choices) >= 2
             and all(isinstance(c, str) for c in choices)):
-        raise ValueError(f"{where}: 'choices' must be a list of at least two strings")
+        raise UserError(f"{where}: 'choices' must be a list of at least two strings")
     if len(set(choices)) != len(choices):
-        raise ValueError(f"{where}: 'choices' holds duplicates: {choices}")
+        raise UserError(f"{where}: 'choices' holds duplicates: {choices}")
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(choices):
-        raise ValueError(
+        raise UserError(
             f"{where}: 'label' must be an integer index in [0, {len(choices) - 1}], got {label!r}"
         )
     ident = record.get("id")
@@ -101,7 +103,7 @@ def load_examples(path: str | os.PathLike) -> list[Example]:
     """Examples of a JSONL task file; ``ValueError`` naming the file, line and problem."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"task file {path} does not exist")
+        raise UserError(f"task file {path} does not exist")
     examples = []
     try:
         with open(path, encoding="utf-8") as handle:
@@ -112,12 +114,12 @@ def load_examples(path: str | os.PathLike) -> list[Example]:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as error:
-                    raise ValueError(f"{where}: not valid JSON: {error}") from None
+                    raise UserError(f"{where}: not valid JSON: {error}") from None
                 examples.append(_example_from_json(record, where))
     except UnicodeDecodeError as error:
-        raise ValueError(_not_utf8(path, error)) from None
+        raise UserError(_not_utf8(path, error)) from None
     if not examples:
-        raise ValueError(f"task file {path} holds no examples")
+        raise UserError(f"task file {path} holds no examples")
     return examples
 
 
@@ -185,7 +187,7 @@ def stdlib_next_line_task(
     come from a separate draw that never overlaps the evaluation examples.
     """
     if num_choices < 2 or context_lines < 1 or num_examples < 1:
-        raise ValueError(
+        raise UserError(
             "num_choices must be >= 2, context_lines and num_examples >= 1; got "
             f"{num_choices}, {context_lines}, {num_examples}"
         )
@@ -197,7 +199,7 @@ def stdlib_next_line_task(
         texts = {os.path.relpath(p, common): p.read_text("utf-8", "replace") for p in root_files}
     names = sorted(n for n, t in texts.items() if not held_out_only or _held_out(t, val_fraction))
     if len(names) < 2:
-        raise ValueError(f"stdlib-next-line needs at least 2 source files, found {len(names)}")
+        raise UserError(f"stdlib-next-line needs at least 2 source files, found {len(names)}")
     lines = {n: texts[n].splitlines() for n in names}
     pool = [(n, line.strip()) for n in names for line in lines[n]
             if _candidate_line(line, min_line_chars)]
@@ -241,7 +243,7 @@ def _next_line_example(
             seen.add(other)
             distractors.append(indent + other)
     if len(distractors) < num_choices - 1:
-        raise ValueError(f"too few distinct lines in other files to build {num_choices} choices")
+        raise UserError(f"too few distinct lines in other files to build {num_choices} choices")
     label = rng.randrange(num_choices)
     choices = [*distractors[:label], true_line, *distractors[label:]]
     context = "\n".join(file_lines[index - context_lines : index])
@@ -257,11 +259,11 @@ def load_task(spec: str, *, fewshot_path: str | os.PathLike | None = None) -> Mu
     """A built-in task by name or a JSONL task file by path."""
     if spec in BUILTIN_TASKS:
         if fewshot_path:
-            raise ValueError(f"built-in task {spec!r} brings its own few-shot examples")
+            raise UserError(f"built-in task {spec!r} brings its own few-shot examples")
         return BUILTIN_TASKS[spec]()
     if Path(spec).is_file():
         return load_jsonl_task(spec, fewshot_path=fewshot_path)
-    raise ValueError(
+    raise UserError(
         f"task {spec!r} is neither a built-in task {sorted(BUILTIN_TASKS)} nor an existing "
         "JSONL file"
     )

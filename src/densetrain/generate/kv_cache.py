@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
 
 
@@ -95,7 +96,7 @@ class KVCache:
                 f"without gaps, got {new_S.tolist()}"
             )
         if not self.rolling and self.next_position + new_S.numel() > self.capacity:
-            raise ValueError(
+            raise UserError(
                 f"KVCache max_len {self.capacity} exceeded: {self.next_position} cached + "
                 f"{new_S.numel()} new"
             )

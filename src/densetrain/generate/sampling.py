@@ -9,6 +9,7 @@ import numbers
 
 import torch
 
+from densetrain.errors import UserError
 from densetrain.generate.kv_cache import KVCache
 
 
@@ -20,13 +21,13 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None, *
     even where greedy decoding (temperature 0) would not read it."""
     temperature_name, top_k_name, top_p_name = names
     if not temperature >= 0:  # also NaN
-        raise ValueError(f"{temperature_name} must be >= 0 (0 = greedy), got {temperature}")
+        raise UserError(f"{temperature_name} must be >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and (isinstance(top_k, bool)
                               or not isinstance(top_k, numbers.Integral) or top_k <= 0):
-        raise ValueError(f"{top_k_name} must be a positive integer (unset: no limit), "
-                         f"got {top_k!r}")
+        raise UserError(f"{top_k_name} must be a positive integer (unset: no limit), "
+                        f"got {top_k!r}")
     if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"{top_p_name} must be in (0, 1] (unset: no limit), got {top_p}")
+        raise UserError(f"{top_p_name} must be in (0, 1] (unset: no limit), got {top_p}")
 
 
 def filter_logits(
@@ -91,10 +92,10 @@ def generate(
     every sequence has finished. Returns [B, S + generated].
     """
     if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        raise UserError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     check_sampling(temperature, top_k, top_p)
     if tokens_BS.dim() != 2 or 0 in tokens_BS.shape:
-        raise ValueError(
+        raise UserError(
             "tokens_BS must be [batch, prompt length] with at least one prompt of at least "
             f"one token, got shape {list(tokens_BS.shape)}"
         )
@@ -102,7 +103,7 @@ def generate(
     batch, prompt_len = tokens_BS.shape
     total = prompt_len + max_new_tokens
     if cfg.position_embedding == "learned" and total > cfg.max_seq_len:
-        raise ValueError(
+        raise UserError(
             f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len "
             f"{cfg.max_seq_len} of a model with learned positions"
         )

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from densetrain.errors import UserError
+
 NORM_TYPES = ("layernorm", "rmsnorm")
 POSITION_EMBEDDINGS = ("rope", "learned", "alibi", "relative_xl", "none")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
@@ -34,14 +36,14 @@ class RopeScaling:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field when a value is out of range."""
         if self.factor <= 0:
-            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+            raise UserError(f"rope_scaling.factor must be > 0, got {self.factor}")
         if not 0 < self.low_freq_factor < self.high_freq_factor:
-            raise ValueError(
+            raise UserError(
                 "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
                 f"{self.low_freq_factor} and {self.high_freq_factor}"
             )
         if self.original_max_seq_len <= 0:
-            raise ValueError(
+            raise UserError(
                 f"rope_scaling.original_max_seq_len must be > 0, got {self.original_max_seq_len}"
             )
 
@@ -175,63 +177,63 @@ class ModelConfig:
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "max_seq_len", "ffn_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise UserError(f"{name} must be a positive integer, got {value!r}")
         _choice("norm_type", self.norm_type, NORM_TYPES)
         _choice("position_embedding", self.position_embedding, POSITION_EMBEDDINGS)
         _choice("activation", self.activation, ACTIVATIONS)
         _choice("block_type", self.block_type, BLOCK_TYPES)
         _choice("norm_position", self.norm_position, NORM_POSITIONS)
         if self.head_dim is None:
-            raise ValueError(
+            raise UserError(
                 f"num_heads ({self.num_heads}) must divide dim ({self.dim}) when head_dim is "
                 "unset; set head_dim explicitly or choose num_heads dividing dim"
             )
         if self.head_dim <= 0:
-            raise ValueError(f"head_dim must be positive, got {self.head_dim}")
+            raise UserError(f"head_dim must be positive, got {self.head_dim}")
         if not isinstance(self.num_kv_heads, int) or self.num_kv_heads <= 0:
-            raise ValueError(f"num_kv_heads must be a positive integer, got {self.num_kv_heads!r}")
+            raise UserError(f"num_kv_heads must be a positive integer, got {self.num_kv_heads!r}")
         if self.num_heads % self.num_kv_heads != 0:
-            raise ValueError(
+            raise UserError(
                 f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads}); "
                 "allowed: any divisor (1 = MQA, num_heads = MHA)"
             )
         if self.embed_dim <= 0:
-            raise ValueError(f"embed_dim must be positive, got {self.embed_dim}")
+            raise UserError(f"embed_dim must be positive, got {self.embed_dim}")
         if self.norm_eps <= 0:
-            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
+            raise UserError(f"norm_eps must be > 0, got {self.norm_eps}")
         if self.position_embedding == "rope":
             if not 0 < self.rotary_fraction <= 1:
-                raise ValueError(f"rotary_fraction must be in (0, 1], got {self.rotary_fraction}")
+                raise UserError(f"rotary_fraction must be in (0, 1], got {self.rotary_fraction}")
             if self.rotary_dim % 2 != 0 or self.rotary_dim <= 0:
-                raise ValueError(
+                raise UserError(
                     f"rotary dims (head_dim {self.head_dim} * rotary_fraction "
                     f"{self.rotary_fraction} = {self.rotary_dim}) must be even and positive"
                 )
             if self.rope_theta <= 0:
-                raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+                raise UserError(f"rope_theta must be > 0, got {self.rope_theta}")
             if self.rope_scaling is not None:
                 self.rope_scaling.validate()
         if self.position_embedding == "relative_xl":
             _check_relative_xl(self)
         if self.learned_pos_offset < 0:
-            raise ValueError(f"learned_pos_offset must be >= 0, got {self.learned_pos_offset}")
+            raise UserError(f"learned_pos_offset must be >= 0, got {self.learned_pos_offset}")
         if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ValueError(
+            raise UserError(
                 f"sliding_window must be a positive number of positions or None, "
                 f"got {self.sliding_window}"
             )
         if self.vocab_pad_multiple <= 0:
-            raise ValueError(f"vocab_pad_multiple must be >= 1, got {self.vocab_pad_multiple}")
+            raise UserError(f"vocab_pad_multiple must be >= 1, got {self.vocab_pad_multiple}")
         if self.init_std <= 0:
-            raise ValueError(f"init_std must be > 0, got {self.init_std}")
+            raise UserError(f"init_std must be > 0, got {self.init_std}")
         if self.z_loss_coef < 0:
-            raise ValueError(f"z_loss_coef must be >= 0, got {self.z_loss_coef}")
+            raise UserError(f"z_loss_coef must be >= 0, got {self.z_loss_coef}")
         if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+            raise UserError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.parallel_shared_norm and self.block_type != "parallel":
-            raise ValueError('parallel_shared_norm=True requires block_type="parallel"')
+            raise UserError('parallel_shared_norm=True requires block_type="parallel"')
         if self.norm_position == "post" and self.block_type == "parallel":
-            raise ValueError('norm_position="post" is only defined for block_type="sequential"')
+            raise UserError('norm_position="post" is only defined for block_type="sequential"')
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -294,9 +296,9 @@ class ModelConfig:
 
 def _check_relative_xl(cfg: ModelConfig) -> None:
     if cfg.dim % 2 != 0:
-        raise ValueError(f'position_embedding="relative_xl" needs an even dim, got {cfg.dim}')
+        raise UserError(f'position_embedding="relative_xl" needs an even dim, got {cfg.dim}')
     if cfg.sliding_window is not None:
-        raise ValueError(
+        raise UserError(
             'position_embedding="relative_xl" does not combine with sliding_window (a rolling '
             f"KV cache has no key order to shift by); got sliding_window={cfg.sliding_window}"
         )
@@ -304,4 +306,4 @@ def _check_relative_xl(cfg: ModelConfig) -> None:
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+        raise UserError(f"{name} must be one of {list(allowed)}, got {value!r}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
 
 
@@ -23,7 +24,7 @@ def build_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:
         return nn.LayerNorm(width, eps=config.norm_eps, bias=config.norm_bias)
     if config.norm_type == "rmsnorm":
         return nn.RMSNorm(width, eps=config.norm_eps)
-    raise ValueError(f"norm_type must be one of ['layernorm', 'rmsnorm'], got {config.norm_type!r}")
+    raise UserError(f"norm_type must be one of ['layernorm', 'rmsnorm'], got {config.norm_type!r}")
 
 
 def build_head_norm(config: ModelConfig) -> nn.Module:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
 from densetrain.values import is_int_at_least
 
@@ -170,7 +171,7 @@ def flops_per_token_executed(cfg: ModelConfig, seq_len: int, micro_batch: int) -
     ``flops_per_token_palm`` (N includes the norm and bias parameters, which torch's FLOP
     counter, counting matmuls only, does not see: tests/unit/models/test_sizing_relative.py)."""
     if not is_int_at_least(micro_batch, 1):
-        raise ValueError(f"micro_batch must be a positive integer, got {micro_batch!r}")
+        raise UserError(f"micro_batch must be a positive integer, got {micro_batch!r}")
     projection = 2 * relative_projection_flops_per_token(cfg, seq_len, micro_batch)
     return flops_per_token_palm(cfg, seq_len) + projection
 
@@ -242,10 +243,10 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_elem: int = 2) -> int:
     """Bytes of keys and values one token adds to the cache across all layers:
     2 · num_layers · num_kv_heads · head_dim · bytes_per_elem."""
     if bytes_per_elem <= 0:
-        raise ValueError(f"bytes_per_elem must be positive, got {bytes_per_elem}")
+        raise UserError(f"bytes_per_elem must be positive, got {bytes_per_elem}")
     return 2 * cfg.num_layers * cfg.kv_dim * bytes_per_elem
 
 
 def _check_seq_len(seq_len: int) -> None:
     if not isinstance(seq_len, int) or seq_len <= 0:
-        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+        raise UserError(f"seq_len must be a positive integer, got {seq_len!r}")

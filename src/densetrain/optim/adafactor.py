@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from densetrain.errors import UserError
+
 
 def _rms(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.square().mean().sqrt()
@@ -49,7 +51,7 @@ class Adafactor(torch.optim.Optimizer):
         weight_decay_lr_power: float = 1.0,
     ) -> None:
         if lr <= 0 or not 0 <= beta1 < 1 or beta2_decay <= 0 or eps1 <= 0 or eps2 <= 0:
-            raise ValueError(
+            raise UserError(
                 f"Adafactor needs lr > 0, 0 <= beta1 < 1, beta2_decay > 0, eps1 > 0, eps2 > 0; "
                 f"got lr={lr}, beta1={beta1}, beta2_decay={beta2_decay}, eps1={eps1}, eps2={eps2}"
             )

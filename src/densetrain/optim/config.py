@@ -10,6 +10,8 @@ import difflib
 import math
 from dataclasses import dataclass, field
 
+from densetrain.errors import UserError
+
 OPTIMIZERS = ("adamw", "adafactor", "sgd")
 SCHEDULES = ("cosine", "wsd", "constant", "linear", "rsqrt")
 WSD_DECAY_SHAPES = ("linear", "1-sqrt", "cosine")
@@ -68,7 +70,7 @@ class OptimConfig:
         _choice("optim.name", self.name, OPTIMIZERS)
         _positive("optim.lr", self.lr)
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(
+            raise UserError(
                 f"optim.betas must be two numbers in [0, 1) (β1, β2), got {list(self.betas)}"
             )
         _positive("optim.eps", self.eps)
@@ -80,7 +82,7 @@ class OptimConfig:
         _positive("optim.adafactor_eps2", self.adafactor_eps2)
         _non_negative("optim.weight_decay_lr_power", self.weight_decay_lr_power)
         if self.fused and self.name != "adamw":
-            raise ValueError(
+            raise UserError(
                 f"optim.fused=true is only available with optim.name='adamw', got {self.name!r}"
             )
 
@@ -126,20 +128,20 @@ class ScheduleConfig:
                      "batch_ramp_increment"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"schedule.{name} must be an integer >= 0, got {value!r}")
+                raise UserError(f"schedule.{name} must be an integer >= 0, got {value!r}")
         if not (0.0 <= self.min_lr_ratio <= 1.0):
-            raise ValueError(f"schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+            raise UserError(f"schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not (0.0 < self.decay_fraction <= 1.0):
-            raise ValueError(
+            raise UserError(
                 f"schedule.decay_fraction must be in (0, 1], got {self.decay_fraction}"
             )
         if self.name == "rsqrt" and self.warmup_steps == 0 and self.warmup_tokens == 0:
-            raise ValueError(
+            raise UserError(
                 "schedule.name='rsqrt' needs schedule.warmup_steps > 0 (the step where the "
                 "1/sqrt decay starts; PaLM: 10000)"
             )
         if self.batch_ramp_start > 0 and self.batch_ramp_tokens <= 0:
-            raise ValueError(
+            raise UserError(
                 "schedule.batch_ramp_tokens must be > 0 when schedule.batch_ramp_start > 0 "
                 f"(got {self.batch_ramp_tokens}); GPT-3 ramps over 4-12 billion tokens"
             )
@@ -149,14 +151,14 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}{hint}")
+        raise UserError(f"{name} must be one of {list(allowed)}, got {value!r}{hint}")
 
 
 def _positive(name: str, value: float) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        raise UserError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 def _non_negative(name: str, value: float) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        raise UserError(f"{name} must be a finite number >= 0, got {value!r}")

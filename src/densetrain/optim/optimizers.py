@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from densetrain.errors import UserError
 from densetrain.optim.adafactor import Adafactor
 from densetrain.optim.config import OptimConfig
 from densetrain.optim.param_groups import param_groups
@@ -20,7 +21,7 @@ def _groups(model_or_params: nn.Module | Iterable, cfg: OptimConfig) -> list[dic
         )
     items = list(model_or_params)
     if not items:
-        raise ValueError("build_optimizer got no parameters")
+        raise UserError("build_optimizer got no parameters")
     if all(isinstance(item, dict) for item in items):
         return [dict(item) for item in items]  # caller-made groups keep their settings
     return [{"name": "all", "params": items, "weight_decay": cfg.weight_decay}]
@@ -69,4 +70,4 @@ def build_optimizer(
         return torch.optim.SGD(
             groups, lr=cfg.lr, momentum=beta1, weight_decay=cfg.weight_decay
         )
-    raise ValueError(f"optim.name must be one of adamw, adafactor, sgd; got {cfg.name!r}")
+    raise UserError(f"optim.name must be one of adamw, adafactor, sgd; got {cfg.name!r}")

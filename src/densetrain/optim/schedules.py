@@ -33,6 +33,7 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from densetrain.errors import UserError
 from densetrain.optim.config import ScheduleConfig
 
 
@@ -44,7 +45,7 @@ def wsd_decay_steps(cfg: ScheduleConfig, total_steps: int) -> int:
 def lr_at(step: int, cfg: ScheduleConfig, total_steps: int) -> float:
     """Multiplier of the peak learning rate for update ``step`` (see the module docstring)."""
     if cfg.warmup_tokens > 0:
-        raise ValueError(
+        raise UserError(
             "schedule.warmup_tokens is unresolved; call JobConfig.validate()/resolve() (it "
             "converts warmup_tokens into schedule.warmup_steps) before building the schedule"
         )
@@ -66,7 +67,7 @@ def lr_at(step: int, cfg: ScheduleConfig, total_steps: int) -> float:
         return _decay("cosine", progress, floor)
     if cfg.name == "linear":
         return _decay("linear", progress, floor)
-    raise ValueError(f"schedule.name={cfg.name!r} is not a known schedule")
+    raise UserError(f"schedule.name={cfg.name!r} is not a known schedule")
 
 
 def _decay(shape: str, progress: float, floor: float) -> float:
@@ -76,7 +77,7 @@ def _decay(shape: str, progress: float, floor: float) -> float:
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
     if shape == "1-sqrt":
         return floor + (1.0 - floor) * (1.0 - math.sqrt(progress))
-    raise ValueError(f"schedule.decay_shape={shape!r} is not one of linear, 1-sqrt, cosine")
+    raise UserError(f"schedule.decay_shape={shape!r} is not one of linear, 1-sqrt, cosine")
 
 
 class LRScheduler(LambdaLR):
@@ -88,7 +89,7 @@ class LRScheduler(LambdaLR):
     def __init__(self, optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total_steps: int):
         cfg.validate()
         if total_steps < 1:
-            raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+            raise UserError(f"total_steps must be >= 1, got {total_steps}")
         self.schedule_cfg = cfg
         self.total_steps = total_steps
         multiplier = functools.partial(lr_at, cfg=cfg, total_steps=total_steps)
@@ -138,7 +139,7 @@ class BatchSizeSchedule:
             ramp_increment < 1 or (global_batch_size - ramp_start) % ramp_increment
             or ramp_start >= global_batch_size or ramp_tokens < 1
         ):
-            raise ValueError(
+            raise UserError(
                 f"batch ramp needs 0 < start ({ramp_start}) < full ({global_batch_size}), "
                 f"(full - start) divisible by increment ({ramp_increment}), tokens "
                 f"({ramp_tokens}) > 0"
@@ -204,7 +205,7 @@ class BatchSizeSchedule:
         changed = {k: (state_dict.get(k), v) for k, v in current.items()
                    if state_dict.get(k) != v}
         if self.ramp_start > 0 and changed:
-            raise ValueError(
+            raise UserError(
                 f"the batch-size ramp differs from the checkpoint's ({changed}: saved, now); "
                 "a ramp cannot change on resume"
             )

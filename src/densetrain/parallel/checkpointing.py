@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from densetrain.errors import UserError
 from densetrain.models.linear import ONEDNN_LINEAR_OP, aten_matmuls
 
 _SAVED_OPS = {
@@ -56,9 +57,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, *, every: int = 
     if mode == "none":
         return model
     if mode not in ("full", "selective"):
-        raise ValueError(f"activation_checkpointing must be none|full|selective, got {mode!r}")
+        raise UserError(f"activation_checkpointing must be none|full|selective, got {mode!r}")
     if every < 1:
-        raise ValueError(f"ac_every must be >= 1, got {every}")
+        raise UserError(f"ac_every must be >= 1, got {every}")
     for position, (name, block) in enumerate(list(model.layers.items())):
         if mode == "full" and position % every != 0:
             continue

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from densetrain.errors import UserError
 from densetrain.values import is_int_at_least
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
@@ -81,51 +82,51 @@ class ParallelConfig:
         for name in ("dp_replicate", "tp", "pp", "cp", "pp_virtual_stages", "ac_every"):
             value = getattr(self, name)
             if not is_int_at_least(value, 1):
-                raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
+                raise UserError(f"parallel.{name} must be a positive integer, got {value!r}")
         if isinstance(self.dp_shard, bool) or not isinstance(self.dp_shard, int) or (
             self.dp_shard < 1 and self.dp_shard != -1
         ):
-            raise ValueError(
+            raise UserError(
                 f"parallel.dp_shard must be a positive integer or -1 (the rest of the world), "
                 f"got {self.dp_shard!r}"
             )
         if self.zero_stage not in ZERO_STAGES:
-            raise ValueError(
+            raise UserError(
                 f"parallel.zero_stage must be one of {list(ZERO_STAGES)}, got {self.zero_stage!r}"
             )
         if self.pp_schedule not in PP_SCHEDULES:
-            raise ValueError(
+            raise UserError(
                 f"parallel.pp_schedule must be one of {list(PP_SCHEDULES)}, "
                 f"got {self.pp_schedule!r}"
             )
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-            raise ValueError(
+            raise UserError(
                 "parallel.activation_checkpointing must be one of "
                 f"{list(ACTIVATION_CHECKPOINTING)}, got {self.activation_checkpointing!r}"
             )
         if self.fsdp_param_dtype not in FSDP_PARAM_DTYPES:
-            raise ValueError(
+            raise UserError(
                 f"parallel.fsdp_param_dtype must be one of {list(FSDP_PARAM_DTYPES)}, "
                 f"got {self.fsdp_param_dtype!r}"
             )
         if not isinstance(self.pp_microbatches, int) or self.pp_microbatches < 0:
-            raise ValueError(
+            raise UserError(
                 f"parallel.pp_microbatches must be >= 0 (0 = pp), got {self.pp_microbatches!r}"
             )
         from densetrain.parallel.layout_check import config_reasons
 
         problems = config_reasons(self)
         if problems:
-            raise ValueError(problems[0])
+            raise UserError(problems[0])
         if not isinstance(self.pp_layer_split, list) or any(
             not is_int_at_least(n, 1) for n in self.pp_layer_split
         ):
-            raise ValueError(
+            raise UserError(
                 "parallel.pp_layer_split must be a list of positive layer counts per stage, "
                 f"got {self.pp_layer_split!r}"
             )
         if self.collective_timeout_s <= 0:
-            raise ValueError(
+            raise UserError(
                 f"parallel.collective_timeout_s must be > 0, got {self.collective_timeout_s!r}"
             )
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from densetrain.errors import UserError
+
 try:  # torch >= 2.13 renamed the differentiable all-gather (the old name warns, deprecated)
     from torch.distributed._functional_collectives import (
         all_gather_single_autograd as _all_gather_autograd,
@@ -35,7 +37,7 @@ def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
 def local_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
     """Global positions [seq_len / cp] of this rank's tokens, in its local order."""
     if seq_len % (2 * cp) != 0:
-        raise ValueError(f"sequence length {seq_len} must be a multiple of 2 × cp = {2 * cp}")
+        raise UserError(f"sequence length {seq_len} must be a multiple of 2 × cp = {2 * cp}")
     chunk = seq_len // (2 * cp)
     first, second = chunk_ids(cp_rank, cp)
     return torch.cat(
@@ -65,7 +67,7 @@ class ContextParallelAttention:
         from densetrain.models.masks import AttentionMask
 
         if not mask.is_causal:
-            raise ValueError(
+            raise UserError(
                 "context parallel supports the plain causal mask only (no document masks, ALiBi "
                 "or sliding windows shorter than the sequence)"
             )

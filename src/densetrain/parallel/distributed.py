@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from densetrain.errors import RankFailure
+from densetrain.errors import RankFailure, UserError
 from densetrain.parallel import heartbeat
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+        raise UserError(f"environment variable {name} must be an integer, got {raw!r}") from None
 
 
 def env_world_size() -> int:
@@ -68,7 +68,7 @@ def env_world_size() -> int:
         return dist.get_world_size()
     world_size = _env_int("WORLD_SIZE", 1)
     if world_size < 1:
-        raise ValueError(f"environment variable WORLD_SIZE must be >= 1, got {world_size}")
+        raise UserError(f"environment variable WORLD_SIZE must be >= 1, got {world_size}")
     return world_size
 
 
@@ -82,8 +82,8 @@ def env_local_world_size(environ: Mapping[str, str] | None = None) -> int:
     except ValueError:
         local = 0
     if local < 1:
-        raise ValueError(f"environment variable LOCAL_WORLD_SIZE must be an integer >= 1 (the "
-                         f"ranks on this host), got {raw!r}")
+        raise UserError(f"environment variable LOCAL_WORLD_SIZE must be an integer >= 1 (the "
+                        f"ranks on this host), got {raw!r}")
     return local
 
 
@@ -99,11 +99,11 @@ def init_distributed(*, timeout_s: float = 600.0, device_type: str | None = None
     already initialised (e.g. by a test helper) it is reused.
     """
     if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        raise UserError(f"timeout_s must be > 0, got {timeout_s}")
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type not in ("cuda", "cpu"):
-        raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
+        raise UserError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)

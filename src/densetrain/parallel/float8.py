@@ -60,8 +60,8 @@ def convert_blocks_to_float8(model: nn.Module, recipe: str) -> nn.Module:
     """Swap the eligible ``nn.Linear`` layers of ``model.layers`` for torchao ``Float8Linear``
     with ``recipe``'s scaling, in place (parameters keep their names); returns ``model``."""
     if recipe not in FLOAT8_RECIPES:
-        raise ValueError(f"training.float8_recipe must be one of {list(FLOAT8_RECIPES)}, "
-                         f"got {recipe!r}")
+        raise UserError(f"training.float8_recipe must be one of {list(FLOAT8_RECIPES)}, "
+                        f"got {recipe!r}")
     config_cls, convert = _import_torchao()
     convert(model, module_filter_fn=_eligible, config=config_cls.from_recipe_name(recipe))
     if float8_linear_count(model) == 0:

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from densetrain.errors import UserError
 from densetrain.values import is_int_at_least
 
 INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv")
@@ -388,14 +389,14 @@ def _applies(rule: Rule, model: Any, run: RunShape, skip: set[str], unresolved: 
 
 def require(names: tuple[str, ...], fields: Any, model: Any = None,
             run: RunShape | None = None) -> None:
-    """Raise ``ValueError`` with the reason of the first rule in ``names`` that ``fields``
+    """Raise ``UserError`` with the reason of the first rule in ``names`` that ``fields``
     breaks: the runtime guard of a builder that is handed only part of a layout (its own
     degrees and options), stated by the same rules as `check_layout`."""
     by_name = {rule.name: rule for rule in RULES}
     for name in names:
         rule = by_name[name]
         if rule.violated(fields, model, run):
-            raise ValueError(rule.reason(fields, model, run))
+            raise UserError(rule.reason(fields, model, run))
 
 
 def runnable_mask(columns: Mapping[str, Any], model: Any, run: RunShape) -> Any:

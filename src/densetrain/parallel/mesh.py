@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from densetrain.errors import UserError
 from densetrain.parallel.config import ParallelConfig
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -49,7 +50,7 @@ class ParallelDims:
         cfg.validate()
         dp_shard, problem = resolve_dp_shard(cfg, world_size)
         if problem:
-            raise ValueError(problem)
+            raise UserError(problem)
         return cls(
             dp_replicate=cfg.dp_replicate,
             dp_shard=dp_shard,
@@ -77,7 +78,7 @@ class ParallelDims:
         if name in FLATTENED_AXES:
             return math.prod(getattr(self, a) for a in FLATTENED_AXES[name])
         allowed = MESH_AXES + tuple(FLATTENED_AXES)
-        raise ValueError(f"unknown mesh axis {name!r}; allowed: {allowed}")
+        raise UserError(f"unknown mesh axis {name!r}; allowed: {allowed}")
 
     @property
     def is_single_process(self) -> bool:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from densetrain.errors import UserError
 from densetrain.parallel.mesh import ParallelMesh
 
 LossFn = Callable[[nn.Module, Any], Any]
@@ -64,7 +65,7 @@ def split_micro_batches(batch: Any, micro_batch_size: int) -> list[Any]:
     """Split a rank's batch (a dataclass of [b, S] tensors or None) into micro-batches."""
     rows = batch.inputs.shape[0]
     if rows % micro_batch_size != 0:
-        raise ValueError(
+        raise UserError(
             f"the rank's batch of {rows} sequences is not divisible by training.micro_batch_size="
             f"{micro_batch_size}"
         )
@@ -119,15 +120,15 @@ class LaidOutModel:
         batch = type(batch)(**moved)
         if self.pipeline is not None and (batch.document_ids is not None
                                           or batch.positions is not None):
-            raise ValueError("pipeline parallel runs the plain causal mask only; turn off "
-                             "document masking in the data config")
+            raise UserError("pipeline parallel runs the plain causal mask only; turn off "
+                            "document masking in the data config")
         if self.cp_size == 1:
             return batch
         from densetrain.parallel.context import shard_sequence
 
         if batch.document_ids is not None:
-            raise ValueError(f"parallel.cp={self.cp_size} supports the plain causal mask only; "
-                             "turn off document masking in the data config")
+            raise UserError(f"parallel.cp={self.cp_size} supports the plain causal mask only; "
+                            "turn off document masking in the data config")
         cp, cp_rank = self.cp_size, self.pmesh.local_rank("cp")
         rows, seq_len = batch.inputs.shape
         positions_BS = batch.positions

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from densetrain.errors import UserError
 from densetrain.models.loss import LossOutput
 from densetrain.parallel.config import ParallelConfig
 from densetrain.parallel.layout_check import layer_split_reasons, require
@@ -49,7 +50,7 @@ def layer_split(num_layers: int, num_stages: int, given: list[int]) -> list[int]
     divide evenly, the earlier stages take one extra layer each)."""
     problems = layer_split_reasons(given, num_stages, num_layers)
     if problems:
-        raise ValueError(problems[0])
+        raise UserError(problems[0])
     if given:
         return list(given)
     require(("pp_stages_have_layers",), SimpleNamespace(pp=num_stages, pp_virtual_stages=1),

@@ -32,6 +32,8 @@ import time
 import warnings
 from pathlib import Path
 
+from densetrain.errors import UserError
+
 
 def _median_seconds(fn, repeats: int = 5, pick=statistics.median) -> float:
     """``pick`` (the median) of ``repeats`` timed calls of ``fn``, after a warm-up call.
@@ -139,7 +141,7 @@ def collective_figures(ranks: int, timeout_s: float = 120.0,
     from densetrain.testing import run_distributed
 
     if ranks < 2:
-        raise ValueError(f"--calibrate-ranks must be >= 2 to measure collectives, got {ranks}")
+        raise UserError(f"--calibrate-ranks must be >= 2 to measure collectives, got {ranks}")
     try:
         results = run_distributed(_collective_rank, ranks, sizes_kib, timeout=timeout_s)
     except Exception as e:  # a rank that fails or hangs: say why, no partial entry
@@ -224,7 +226,7 @@ def calibrate(path: str | Path, *, ranks: int = 2, name: str = "this-machine",
     import torch
 
     if ranks < 2:  # said before anything is measured
-        raise ValueError(f"--calibrate-ranks must be >= 2 to measure collectives, got {ranks}")
+        raise UserError(f"--calibrate-ranks must be >= 2 to measure collectives, got {ranks}")
 
     torch.set_num_threads(max(1, (os.cpu_count() or ranks) // ranks))
     rate, half = fit_gemm_curve(gemm_sweep())

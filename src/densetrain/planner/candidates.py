@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from densetrain.errors import UserError
 from densetrain.parallel.layout_check import RULES, RunShape, fields_read
 from densetrain.planner.layout import AC_POLICIES, PP_SCHEDULES, LayoutColumns
 from densetrain.values import is_int_at_least
@@ -40,19 +41,19 @@ class SearchSpace:
         for name in ("max_tp", "max_cp"):
             value = getattr(self, name)
             if not is_int_at_least(value, 1):
-                raise ValueError(f"search space {name} must be a positive integer (1: no "
-                                 f"{name[4:]} split), got {value!r}")
+                raise UserError(f"search space {name} must be a positive integer (1: no "
+                                f"{name[4:]} split), got {value!r}")
         for name in ("micro_batch_sizes", "virtual_stages"):
             bad = [v for v in getattr(self, name)
                    if not is_int_at_least(v, 1)]
             if bad or not getattr(self, name):
-                raise ValueError(f"search space {name} must be positive integers, got "
-                                 f"{getattr(self, name)!r}")
+                raise UserError(f"search space {name} must be positive integers, got "
+                                f"{getattr(self, name)!r}")
         for name, allowed in (("schedules", PP_SCHEDULES),
                               ("activation_checkpointing", AC_POLICIES)):
             unknown = sorted(set(getattr(self, name)) - set(allowed))
             if unknown:
-                raise ValueError(f"search space {name} {unknown} unknown; allowed: {allowed}")
+                raise UserError(f"search space {name} {unknown} unknown; allowed: {allowed}")
 
 
 def divisors(n: int) -> list[int]:

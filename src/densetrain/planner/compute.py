@@ -19,6 +19,7 @@ import importlib
 
 import numpy as np
 
+from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
 from densetrain.planner.layout import AC_POLICIES
 from densetrain.planner.params import sharded_params
@@ -117,5 +118,5 @@ def stage_imbalance(cfg: ModelConfig, seq_len: int, pp):
 def mfu(tokens_per_s: float, flops_per_token: float, devices: int, peak_flops: float) -> float:
     """Model FLOPs utilisation: achieved model FLOP/s over the devices' summed peak."""
     if devices < 1 or peak_flops <= 0:
-        raise ValueError(f"devices must be >= 1 and peak_flops > 0, got {devices}, {peak_flops}")
+        raise UserError(f"devices must be >= 1 and peak_flops > 0, got {devices}, {peak_flops}")
     return tokens_per_s * flops_per_token / (devices * peak_flops)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
 from densetrain.planner.layout import Layout
 
@@ -43,7 +44,7 @@ def plan_job(cfg: ModelConfig, layout: Layout, *, seq_len: int, global_batch: in
     try:  # job validation runs parallel.layout_check.check_layout, as the trainer does
         job.validate(world_size=layout.devices)
     except ValueError as err:
-        raise ValueError(f"the planned layout cannot run: {err}") from None
+        raise UserError(f"the planned layout cannot run: {err}") from None
     return job
 
 

@@ -34,6 +34,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from densetrain.errors import UserError
+
 try:  # Python >= 3.11
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10 reads JSON cluster files only
@@ -108,26 +110,26 @@ class ClusterSpec:
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"cluster {self.name!r}: {name} must be > 0, got {value!r}")
+                raise UserError(f"cluster {self.name!r}: {name} must be > 0, got {value!r}")
         if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
-            raise ValueError(
+            raise UserError(
                 f"cluster {self.name!r}: devices_per_node must be a positive integer, "
                 f"got {self.devices_per_node!r}"
             )
         if not isinstance(self.collective_efficiency, (int, float)) or not (
                 0 < self.collective_efficiency <= 1):
-            raise ValueError(f"cluster {self.name!r}: collective_efficiency must be in (0, 1], "
-                             f"got {self.collective_efficiency!r}")
+            raise UserError(f"cluster {self.name!r}: collective_efficiency must be in (0, 1], "
+                            f"got {self.collective_efficiency!r}")
         if not isinstance(self.collective_half_bytes, (int, float)) or (
                 self.collective_half_bytes < 0):
-            raise ValueError(f"cluster {self.name!r}: collective_half_bytes must be >= 0, "
-                             f"got {self.collective_half_bytes!r}")
+            raise UserError(f"cluster {self.name!r}: collective_half_bytes must be >= 0, "
+                            f"got {self.collective_half_bytes!r}")
         for name in ("gemm_efficiency", "attention_efficiency"):
             if getattr(self, name) > 1:
-                raise ValueError(f"cluster {self.name!r}: {name} must be <= 1 (a share of peak)")
+                raise UserError(f"cluster {self.name!r}: {name} must be <= 1 (a share of peak)")
         for name in ("intra_node_latency_s", "inter_node_latency_s", *HOST_FIELDS):
             if getattr(self, name) < 0:
-                raise ValueError(f"cluster {self.name!r}: {name} must be >= 0")
+                raise UserError(f"cluster {self.name!r}: {name} must be >= 0")
 
 
 def _gpu(name: str, tflops: float, mem_gb: float, hbm_tb_s: float, nvlink: float, net: float,
@@ -228,28 +230,28 @@ def load_cluster_file(path: str | Path) -> dict[str, ClusterSpec]:
     path = Path(path)
     text = path.read_text()
     if path.suffix != ".json" and tomllib is None:
-        raise ValueError(f"{path}: TOML cluster files need Python >= 3.11; use a .json file")
+        raise UserError(f"{path}: TOML cluster files need Python >= 3.11; use a .json file")
     try:
         data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except ValueError as e:  # JSONDecodeError and TOMLDecodeError are ValueErrors
-        raise ValueError(f"{path}: cannot parse cluster file: {e}") from None
+        raise UserError(f"{path}: cannot parse cluster file: {e}") from None
     tables = data.get("clusters")
     if not isinstance(tables, dict) or not tables:
-        raise ValueError(f"{path}: expected a non-empty [clusters.<name>] table")
+        raise UserError(f"{path}: expected a non-empty [clusters.<name>] table")
     return {name: _cluster_from_table(path, name, table) for name, table in tables.items()}
 
 
 def _cluster_from_table(path: Path, name: str, table: object) -> ClusterSpec:
     if not isinstance(table, dict):
-        raise ValueError(f"{path}: clusters.{name} must be a table of fields")
+        raise UserError(f"{path}: clusters.{name} must be a table of fields")
     unknown = sorted(set(table) - set(_FILE_FIELDS))
     if unknown:
-        raise ValueError(
+        raise UserError(
             f"{path}: clusters.{name} has unknown fields {unknown}; allowed: {sorted(_FILE_FIELDS)}"
         )
     missing = [f for f in _REQUIRED if f not in table]
     if missing:
-        raise ValueError(f"{path}: clusters.{name} is missing required fields {missing}")
+        raise UserError(f"{path}: clusters.{name} is missing required fields {missing}")
     kwargs: dict[str, object] = {"name": name}
     for key, value in table.items():
         field_name, scale = _FILE_FIELDS[key]
@@ -260,11 +262,11 @@ def _cluster_from_table(path: Path, name: str, table: object) -> ClusterSpec:
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             kwargs[field_name] = float(value) * scale
         else:
-            raise ValueError(f"{path}: clusters.{name}.{key} must be a number, got {value!r}")
+            raise UserError(f"{path}: clusters.{name}.{key} must be a number, got {value!r}")
     try:
         return ClusterSpec(**kwargs)
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise UserError(f"{path}: {e}") from None
 
 
 def get_cluster(name: str, extra: dict[str, ClusterSpec] | None = None) -> ClusterSpec:
@@ -272,7 +274,7 @@ def get_cluster(name: str, extra: dict[str, ClusterSpec] | None = None) -> Clust
     table = {**BUILTIN_CLUSTERS, **(extra or {})}
     key = name if name in table else _ALIASES.get(name.lower(), name.lower())
     if key not in table:
-        raise ValueError(f"unknown cluster {name!r}; known: {sorted(table)} (or pass a file)")
+        raise UserError(f"unknown cluster {name!r}; known: {sorted(table)} (or pass a file)")
     return table[key]
 
 

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
 from densetrain.parallel.layout_check import RULES
 
@@ -78,7 +79,7 @@ def sharded_params(cfg: ModelConfig, tp: int) -> ShardedParams:
     """Parameter counts of one tensor-parallel rank (see the module docstring for the plan)."""
     problem = check_tensor_parallel(cfg, tp)
     if problem:
-        raise ValueError(problem)
+        raise UserError(problem)
     dim, kv_dim, q_dim, ffn = cfg.dim, cfg.kv_dim, cfg.q_dim, cfg.ffn_dim
     kv_split = tp if cfg.num_kv_heads % tp == 0 else 1  # GQA with fewer kv heads: replicated
     qkv_bias = 1 if cfg.qkv_bias else 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
 from densetrain.planner.compute import sizing_module
 from densetrain.planner.hardware import ClusterSpec
@@ -70,7 +71,7 @@ def shape_for_params(num_params: float, base: ModelConfig) -> ModelConfig:
     Ties go to head counts that are multiples of 8 (so tp up to 8 divides them).
     """
     if not num_params > 0:
-        raise ValueError(f"num_params must be > 0, got {num_params}")
+        raise UserError(f"num_params must be > 0, got {num_params}")
     count = sizing_module().param_counts
     best: tuple | None = None
     embed = 2 * base.padded_vocab_size

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
 from densetrain.parallel.layout_check import check_layout
 from densetrain.planner.candidates import SearchSpace, runnable_layouts
@@ -26,7 +27,7 @@ from densetrain.values import is_int_at_least
 GB = 1e9
 
 
-class NoFeasibleLayoutError(ValueError):
+class NoFeasibleLayoutError(UserError):
     """No layout can serve the request; the message names the binding constraint."""
 
 
@@ -77,7 +78,7 @@ def evaluate_layout(cfg: ModelConfig, seq_len: int, global_batch: int, layout: L
     layout.num_microbatches(global_batch)
     problems = layout_problems(cfg, layout, seq_len=seq_len, global_batch=global_batch)
     if problems and trainer_rules:
-        raise ValueError("layout: " + "; ".join(problems))
+        raise UserError("layout: " + "; ".join(problems))
     cols = LayoutColumns.from_layouts([layout])
     out = evaluate(cfg, seq_len, global_batch, cols, cluster, settings or PlanSettings())
     return {k: float(v[0]) for k, v in out.items()}
@@ -103,7 +104,7 @@ def search(cfg: ModelConfig, *, seq_len: int, global_batch: int, devices: int,
     for name, value in (("seq_len", seq_len), ("global_batch", global_batch),
                         ("devices", devices)):
         if not is_int_at_least(value, 1):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise UserError(f"{name} must be a positive integer, got {value!r}")
     start = time.perf_counter()
     cols, why_none = runnable_layouts(cfg, seq_len, global_batch, devices, space)
     if len(cols) == 0:

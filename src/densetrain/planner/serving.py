@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from densetrain.errors import UserError
 from densetrain.models import sizing
 from densetrain.models.config import ModelConfig
 from densetrain.planner.hardware import ClusterSpec
@@ -48,16 +49,16 @@ class ServingSetup:
         for name in ("context_len", "batch_size", "kv_bytes_per_elem", "devices"):
             value = getattr(self, name)
             if not is_int_at_least(value, 1):
-                raise ValueError(f"serving {name} must be a positive integer, got {value!r}")
+                raise UserError(f"serving {name} must be a positive integer, got {value!r}")
         if self.prompt_len is not None and not 0 < self.prompt_len <= self.context_len:
-            raise ValueError(f"serving prompt_len must be in 1..context_len "
-                             f"({self.context_len}), got {self.prompt_len!r}")
+            raise UserError(f"serving prompt_len must be in 1..context_len "
+                            f"({self.context_len}), got {self.prompt_len!r}")
         if not (math.isfinite(self.weight_bytes_per_param) and self.weight_bytes_per_param > 0):
-            raise ValueError(f"serving weight_bytes_per_param must be > 0, "
-                             f"got {self.weight_bytes_per_param!r}")
+            raise UserError(f"serving weight_bytes_per_param must be > 0, "
+                            f"got {self.weight_bytes_per_param!r}")
         if not 0 < self.memory_fraction <= 1:
-            raise ValueError(f"serving memory_fraction must be in (0, 1], "
-                             f"got {self.memory_fraction!r}")
+            raise UserError(f"serving memory_fraction must be in (0, 1], "
+                            f"got {self.memory_fraction!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from densetrain.errors import UserError
 from densetrain.scaling.fit_common import FitError
 from densetrain.scaling.fit_isoflop import FrontierFit, LossCurve, fit_envelope, fit_isoflop
 from densetrain.scaling.fit_kaplan import (
@@ -42,7 +43,7 @@ def curves_from_table(table: ResultsTable) -> list[LossCurve]:
 
     A relative ``run_dir`` is taken relative to the directory of the results file."""
     if not table.has_column("run_dir"):
-        raise ValueError(f"{table.source}: no 'run_dir' column, so no loss curves")
+        raise UserError(f"{table.source}: no 'run_dir' column, so no loss curves")
     base = Path(table.source).parent
     curves = []
     for i, row in enumerate(table.rows):
@@ -169,17 +170,17 @@ def load_parametric_law(path: str | Path):
 
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"fit file {path} does not exist; `densetrain scaling fit RESULTS` "
-                         "writes one (fit.json)")
+        raise UserError(f"fit file {path} does not exist; `densetrain scaling fit RESULTS` "
+                        "writes one (fit.json)")
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
-        raise ValueError(f"fit file {path} is not valid JSON: {error}") from None
+        raise UserError(f"fit file {path} is not valid JSON: {error}") from None
     if not isinstance(doc, dict):
-        raise ValueError(f"fit file {path} must hold a JSON object (as `scaling fit` writes), "
-                         f"got a {type(doc).__name__}")
+        raise UserError(f"fit file {path} must hold a JSON object (as `scaling fit` writes), "
+                        f"got a {type(doc).__name__}")
     if "parametric" not in doc:
         reason = doc.get("failures", {}).get("approach3_parametric", "absent from the file")
-        raise ValueError(f"{path}: no parametric fit ({reason})")
+        raise UserError(f"{path}: no parametric fit ({reason})")
     values = {k: doc["parametric"][k]["value"] for k in ("E", "A", "B", "alpha", "beta")}
     return ChinchillaLaw(**values)

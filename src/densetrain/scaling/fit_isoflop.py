@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from densetrain.errors import UserError
 from densetrain.scaling.fit_common import (
     Estimate,
     FitError,
@@ -146,7 +147,7 @@ def fit_isoflop(table: ResultsTable, *, num_resamples: int = 0, seed: int = 0,
     """
     budgets = budgets_of(table)
     if window is not None and window < 3:
-        raise ValueError(f"window must be >= 3 runs (a parabola has 3 coefficients), got {window}")
+        raise UserError(f"window must be >= 3 runs (a parabola has 3 coefficients), got {window}")
     point, (n_law, d_law, flops, n_opt, d_opt, profiles, without) = _isoflop_point(
         table, budgets, skip_without_minimum=True, window=window)
     groups = [np.flatnonzero(budgets == b) for b in flops]

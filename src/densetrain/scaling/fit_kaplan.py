@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import least_squares
 
+from densetrain.errors import UserError
 from densetrain.scaling.fit_common import (
     Estimate,
     FitError,
@@ -84,7 +85,7 @@ def _select(variable: str, table: ResultsTable) -> tuple[np.ndarray, np.ndarray]
     if variable == "C":
         keep = compute_frontier(table.flops, table.loss)
         return table.flops[keep], table.loss[keep]
-    raise ValueError(f"variable must be one of 'N', 'D', 'C', got {variable!r}")
+    raise UserError(f"variable must be one of 'N', 'D', 'C', got {variable!r}")
 
 
 def _fit_single_point(variable: str, table: ResultsTable) -> tuple[dict[str, float], tuple]:

@@ -26,10 +26,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from densetrain.errors import UserError
 from densetrain.scaling.laws import ChinchillaLaw
 
 
-class OptimumAtBracketEdgeError(ValueError):
+class OptimumAtBracketEdgeError(UserError):
     """The optimum lies at (or beyond) an edge of the search bracket, so it is not an answer."""
 
 
@@ -44,7 +45,7 @@ class CostModel:
         for name in ("train_flops_per_param_token", "inference_flops_per_param_token"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"CostModel.{name} must be a finite number > 0, got {value!r}")
+                raise UserError(f"CostModel.{name} must be a finite number > 0, got {value!r}")
 
     @classmethod
     def from_config(cls, cfg, seq_len: int) -> CostModel:
@@ -87,19 +88,19 @@ def check_law(law: ChinchillaLaw) -> None:
     for name in ("E", "A", "B", "alpha", "beta"):
         value = getattr(law, name, None)
         if not isinstance(value, int | float) or not math.isfinite(value):
-            raise ValueError(f"scaling law constant {name} must be a finite number, got {value!r}")
+            raise UserError(f"scaling law constant {name} must be a finite number, got {value!r}")
         if name == "E" and value < 0:
-            raise ValueError(f"scaling law constant E must be >= 0, got {value!r}")
+            raise UserError(f"scaling law constant E must be >= 0, got {value!r}")
         if name != "E" and value <= 0:
-            raise ValueError(f"scaling law constant {name} must be > 0, got {value!r}")
+            raise UserError(f"scaling law constant {name} must be > 0, got {value!r}")
 
 
 def check_non_negative(name: str, value: float) -> float:
     """``value`` as a float if it is finite and >= 0, else a ``ValueError`` naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        raise UserError(f"{name} must be a finite number >= 0, got {value!r}")
     if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
+        raise UserError(f"{name} must be >= 0, got {value!r}")
     return float(value)
 
 
@@ -127,9 +128,9 @@ def min_cost_for_loss(law: ChinchillaLaw, target_loss: float, inference_tokens: 
     cost = cost or CostModel()
     t = check_non_negative("inference_tokens", inference_tokens)
     if not (isinstance(target_loss, int | float) and math.isfinite(target_loss)):
-        raise ValueError(f"target loss must be a finite number, got {target_loss!r}")
+        raise UserError(f"target loss must be a finite number, got {target_loss!r}")
     if target_loss <= law.E:
-        raise ValueError(
+        raise UserError(
             f"target loss {target_loss} must be above the law's irreducible loss E = {law.E}"
         )
     reducible = target_loss - law.E
@@ -176,7 +177,7 @@ def min_loss_for_budget(law: ChinchillaLaw, total_flops: float, inference_tokens
     t = check_non_negative("inference_tokens", inference_tokens)
     if not (isinstance(total_flops, int | float) and math.isfinite(total_flops)
             and total_flops > 0):
-        raise ValueError(f"flops must be a finite number > 0, got {total_flops!r}")
+        raise UserError(f"flops must be a finite number > 0, got {total_flops!r}")
     c, k_t, k_i = float(total_flops), cost.train_flops_per_param_token, \
         cost.inference_flops_per_param_token
 
@@ -195,7 +196,7 @@ def min_loss_for_budget(law: ChinchillaLaw, total_flops: float, inference_tokens
     # N from 1 parameter up to where one training token is left.
     lo, hi = 0.0, math.log(c / (k_t + k_i * t))
     if hi <= lo:
-        raise ValueError(
+        raise UserError(
             f"flops {c:.3g} cannot train even one parameter on one token with "
             f"{t:.3g} inference tokens (needs > {k_t + k_i * t:.3g})"
         )

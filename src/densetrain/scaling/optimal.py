@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from densetrain.errors import UserError
 from densetrain.scaling.laws import ChinchillaLaw
 
 
@@ -42,7 +43,7 @@ class Allocation:
 
 def _check_flops(flops: float) -> None:
     if not (isinstance(flops, int | float) and math.isfinite(flops) and flops > 0):
-        raise ValueError(f"flops must be a finite number > 0, got {flops!r}")
+        raise UserError(f"flops must be a finite number > 0, got {flops!r}")
 
 
 def chinchilla_optimal_laws(law: ChinchillaLaw) -> tuple[PowerLaw, PowerLaw]:
@@ -52,7 +53,7 @@ def chinchilla_optimal_laws(law: ChinchillaLaw) -> tuple[PowerLaw, PowerLaw]:
     G = (αA / (βB))^(1/(α+β)), a = β/(α+β), b = α/(α+β). Returned as power laws in C itself.
     """
     if law.alpha <= 0 or law.beta <= 0 or law.A <= 0 or law.B <= 0:
-        raise ValueError(
+        raise UserError(
             "the closed form needs alpha, beta, A, B > 0, got "
             f"alpha={law.alpha}, beta={law.beta}, A={law.A}, B={law.B}"
         )
@@ -92,7 +93,7 @@ def kaplan_allocation_exponents(
     """
     for name, value in (("alpha_n", alpha_n), ("alpha_b", alpha_b), ("alpha_s", alpha_s)):
         if not value > 0:
-            raise ValueError(f"{name} must be > 0, got {value}")
+            raise UserError(f"{name} must be > 0, got {value}")
     alpha_c = 1.0 / (1.0 / alpha_s + 1.0 / alpha_b + 1.0 / alpha_n)
     exps = {"alpha_c": alpha_c, "N": alpha_c / alpha_n, "B": alpha_c / alpha_b}
     exps["S"] = alpha_c / alpha_s

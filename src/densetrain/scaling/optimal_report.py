@@ -3,6 +3,7 @@ with an inference budget, what the training-only (Chinchilla) choice would have 
 
 from __future__ import annotations
 
+from densetrain.errors import UserError
 from densetrain.scaling.optimal import NamedLaw, compute_optimal, published_law
 
 
@@ -15,7 +16,7 @@ def law_from_fit(fit_path: str | None) -> NamedLaw:
     try:
         law = load_parametric_law(fit_path)
     except (KeyError, TypeError) as err:
-        raise ValueError(f"{fit_path}: parametric fit is missing constant {err}") from None
+        raise UserError(f"{fit_path}: parametric fit is missing constant {err}") from None
     return NamedLaw(law=law, source=f"approach 3 fit in {fit_path}")
 
 
@@ -71,7 +72,7 @@ def optimal_report(*, flops: float | None, target_loss: float | None, inference_
                    fit_path: str | None) -> str:
     """The report of ``densetrain scaling optimal`` (exactly one of ``flops``/``target_loss``)."""
     if (flops is None) == (target_loss is None):
-        raise ValueError("give exactly one of --flops and --target-loss")
+        raise UserError("give exactly one of --flops and --target-loss")
     named = law_from_fit(fit_path)
     lines = [f"law: {named.describe()}"]
     if flops is not None:

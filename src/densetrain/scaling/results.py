@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from densetrain.errors import UserError
+
 REQUIRED_COLUMNS = ("params", "tokens", "flops", "loss")
 POSITIVE_OPTIONAL_COLUMNS = ("budget", "total_params", "non_embedding_params", "flops_actual")
 
@@ -40,7 +42,7 @@ class ResultsTable:
     def column(self, name: str) -> np.ndarray:
         """A numeric optional column as floats; ``ValueError`` naming the column if absent."""
         if not self.rows or name not in self.rows[0]:
-            raise ValueError(f"{self.source}: column {name!r} is missing")
+            raise UserError(f"{self.source}: column {name!r} is missing")
         return np.array([_parse_number(r[name], name, i, self.source) for i, r in
                          enumerate(self.rows)])
 
@@ -63,11 +65,11 @@ def _parse_number(text: str, column: str, row_index: int, source: str) -> float:
     try:
         value = float(text)
     except (TypeError, ValueError):
-        raise ValueError(
+        raise UserError(
             f"{source}: line {line}, column {column!r}: {text!r} is not a number"
         ) from None
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(
+        raise UserError(
             f"{source}: line {line}, column {column!r}: must be a finite number > 0, got {text!r}"
         )
     return value
@@ -76,11 +78,11 @@ def _parse_number(text: str, column: str, row_index: int, source: str) -> float:
 def table_from_rows(rows: Sequence[dict[str, object]], *, source: str = "<memory>") -> ResultsTable:
     """Validate ``rows`` (dicts with at least the required columns) and build a table."""
     if not rows:
-        raise ValueError(f"{source}: no runs (the table is empty)")
+        raise UserError(f"{source}: no runs (the table is empty)")
     text_rows = [{str(k): "" if v is None else str(v) for k, v in r.items()} for r in rows]
     missing = [c for c in REQUIRED_COLUMNS if c not in text_rows[0]]
     if missing:
-        raise ValueError(
+        raise UserError(
             f"{source}: missing column(s) {missing}; required: {list(REQUIRED_COLUMNS)}, "
             f"found: {list(text_rows[0])}"
         )
@@ -102,16 +104,16 @@ def load_results_csv(path: str | os.PathLike) -> ResultsTable:
     """Read and validate a results CSV; errors name the file, line and column."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"results file {str(path)!r} does not exist")
+        raise UserError(f"results file {str(path)!r} does not exist")
     with path.open(newline="") as handle:
         reader = csv.DictReader(handle)
         if reader.fieldnames is None:
-            raise ValueError(
+            raise UserError(
                 f"{path}: empty file (expected a header with {list(REQUIRED_COLUMNS)})"
             )
         missing = [c for c in REQUIRED_COLUMNS if c not in reader.fieldnames]
         if missing:
-            raise ValueError(
+            raise UserError(
                 f"{path}: missing column(s) {missing}; required: {list(REQUIRED_COLUMNS)}, "
                 f"found: {reader.fieldnames}"
             )
@@ -164,7 +166,7 @@ def load_loss_curve(run_dir: str | os.PathLike, *, field_name: str = "loss") -> 
     """
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        raise ValueError(f"loss curve {str(path)!r} does not exist")
+        raise UserError(f"loss curve {str(path)!r} does not exist")
     points: list[tuple[float, float]] = []
     with path.open() as handle:
         for line_no, line in enumerate(handle, start=1):
@@ -173,12 +175,12 @@ def load_loss_curve(run_dir: str | os.PathLike, *, field_name: str = "loss") -> 
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}: line {line_no} is not JSON ({err.msg})") from None
+                raise UserError(f"{path}: line {line_no} is not JSON ({err.msg})") from None
             if record.get(field_name) is None or record.get("tokens") is None:
                 continue
             tokens, loss = float(record["tokens"]), float(record[field_name])
             if tokens > 0 and math.isfinite(loss) and loss > 0:
                 points.append((tokens, loss))
     if len(points) < 2:
-        raise ValueError(f"{path}: fewer than 2 logged points with 'tokens' and {field_name!r}")
+        raise UserError(f"{path}: fewer than 2 logged points with 'tokens' and {field_name!r}")
     return np.array(sorted(points))

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from densetrain.errors import UserError
 from densetrain.scaling.results import atomic_write_text, write_results_csv
 from densetrain.scaling.sweep import (
     LAUNCHERS,
@@ -87,9 +88,9 @@ def run_sweep(
     ``RuntimeError`` naming its log, unless ``keep_going``.
     """
     if launcher not in LAUNCHERS:
-        raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+        raise UserError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
     if jobs < 1:
-        raise ValueError(f"jobs must be >= 1, got {jobs}")
+        raise UserError(f"jobs must be >= 1, got {jobs}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_design(out_dir, points, cfg)
@@ -172,7 +173,7 @@ def collect_results(out_dir: str | Path, *, loss_field: str = "final_val_loss") 
     out_dir = Path(out_dir)
     design_path = out_dir / "design.csv"
     if not design_path.is_file():
-        raise ValueError(f"{design_path} does not exist: not a sweep directory")
+        raise UserError(f"{design_path} does not exist: not a sweep directory")
     with design_path.open(newline="") as handle:
         design = list(csv.DictReader(handle))
     rows = []
@@ -182,7 +183,7 @@ def collect_results(out_dir: str | Path, *, loss_field: str = "final_val_loss") 
             rows.append(_result_row(planned, json.loads(summary_path.read_text()), loss_field,
                                     summary_path))
     if not rows:
-        raise ValueError(f"{out_dir}: no finished runs (no runs/*/summary.json)")
+        raise UserError(f"{out_dir}: no finished runs (no runs/*/summary.json)")
     path = out_dir / "results.csv"
     write_results_csv(path, rows, RESULT_COLUMNS)
     return path
@@ -191,7 +192,7 @@ def collect_results(out_dir: str | Path, *, loss_field: str = "final_val_loss") 
 def _result_row(planned: dict, summary: dict, loss_field: str, source: Path) -> dict:
     for key in (loss_field, "tokens", "params", "non_embedding_params"):
         if summary.get(key) is None:
-            raise ValueError(f"{source}: field {key!r} is missing (needed for the results)")
+            raise UserError(f"{source}: field {key!r} is missing (needed for the results)")
     count_key = "non_embedding_params" if planned["param_count"] == "non_embedding" else "params"
     params = int(summary[count_key])
     tokens = int(summary["tokens"])

@@ -18,6 +18,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
 
 PARAM_COUNTS = ("non_embedding", "total")
@@ -62,7 +63,7 @@ def count_params(shape: ModelShape, *, vocab_size: int, max_seq_len: int, param_
     from densetrain.models.sizing import param_counts
 
     if param_count not in PARAM_COUNTS:
-        raise ValueError(f"param_count must be one of {PARAM_COUNTS}, got {param_count!r}")
+        raise UserError(f"param_count must be one of {PARAM_COUNTS}, got {param_count!r}")
     counts = param_counts(shape.model_config(vocab_size=vocab_size, max_seq_len=max_seq_len))
     return int(counts.non_embedding if param_count == "non_embedding" else counts.total)
 
@@ -77,7 +78,7 @@ def candidate_shapes(*, head_dim: int = 32, max_layers: int = 24,
     for dim in dims:
         heads = max(1, dim // head_dim)
         if dim % heads or (dim >= head_dim and dim % head_dim):
-            raise ValueError(f"dims must be multiples of head_dim={head_dim}, got {dim}")
+            raise UserError(f"dims must be multiples of head_dim={head_dim}, got {dim}")
         for num_layers in range(1, max_layers + 1):
             if 8 <= dim / num_layers <= 256:
                 ffn_dim = swiglu_ffn_dim(dim, multiple=16 if dim < head_dim else 32)
@@ -103,7 +104,7 @@ def nearest_shape(
     Returns the shape and its parameter count.
     """
     if not target_params > 0:
-        raise ValueError(f"target_params must be > 0, got {target_params}")
+        raise UserError(f"target_params must be > 0, got {target_params}")
     scored = []
     for shape in shapes if shapes is not None else candidate_shapes():
         count = count_params(shape, vocab_size=vocab_size, max_seq_len=max_seq_len,

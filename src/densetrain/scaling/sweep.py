@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from densetrain.errors import UserError
 from densetrain.scaling.shapes import PARAM_COUNTS, ModelShape, nearest_shape
 
 LAUNCHERS = ("local", "torchrun", "slurm")
@@ -65,33 +66,33 @@ class SweepConfig:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field when a setting is out of range."""
         if not self.budgets:
-            raise ValueError("budgets must list at least one FLOP budget")
+            raise UserError("budgets must list at least one FLOP budget")
         for i, budget in enumerate(self.budgets):
             if not (math.isfinite(budget) and budget > 0):
-                raise ValueError(f"budgets[{i}] must be a finite number > 0, got {budget}")
+                raise UserError(f"budgets[{i}] must be a finite number > 0, got {budget}")
         if self.sizes_per_budget < 3:
-            raise ValueError(
+            raise UserError(
                 f"sizes_per_budget must be >= 3 (a parabola needs 3 points), got "
                 f"{self.sizes_per_budget}"
             )
         if not self.n_span > 1:
-            raise ValueError(f"n_span must be > 1, got {self.n_span}")
+            raise UserError(f"n_span must be > 1, got {self.n_span}")
         if not self.tokens_per_param > 0:
-            raise ValueError(f"tokens_per_param must be > 0, got {self.tokens_per_param}")
+            raise UserError(f"tokens_per_param must be > 0, got {self.tokens_per_param}")
         if self.param_count not in PARAM_COUNTS:
-            raise ValueError(f"param_count must be one of {PARAM_COUNTS}, got {self.param_count!r}")
+            raise UserError(f"param_count must be one of {PARAM_COUNTS}, got {self.param_count!r}")
         for name in ("seq_len", "global_batch_size", "micro_batch_size", "min_steps"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.global_batch_size % self.micro_batch_size:
-            raise ValueError(
+            raise UserError(
                 f"global_batch_size ({self.global_batch_size}) must be a multiple of "
                 f"micro_batch_size ({self.micro_batch_size})"
             )
         if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+            raise UserError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.warmup_fraction < 1:
-            raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
+            raise UserError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
 
     @property
     def tokens_per_step(self) -> int:
@@ -146,7 +147,7 @@ def design_sweep(cfg: SweepConfig) -> list[SweepPoint]:
                 warmup_steps=max(1, int(round(cfg.warmup_fraction * steps))),
             ))
         if len(chosen) < 3:
-            raise ValueError(
+            raise UserError(
                 f"budget {budget:.3g} yields only {len(chosen)} distinct runs with >= "
                 f"{cfg.min_steps} steps; raise the budget, lower min_steps or global_batch_size"
             )
@@ -190,7 +191,7 @@ def launch_command(
         return ["srun", "torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
                 "--rdzv-backend=c10d", '--rdzv-endpoint="$MASTER_ADDR:29500"',
                 "--rdzv-id=$SLURM_JOB_ID", "-m", "densetrain", "train", *overrides]
-    raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+    raise UserError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
 
 
 def slurm_script(point: SweepPoint, cfg: SweepConfig, run_dir: str, *, nproc_per_node: int,

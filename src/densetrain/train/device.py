@@ -9,6 +9,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
+from densetrain.errors import UserError
 from densetrain.parallel.distributed import env_local_world_size
 
 
@@ -28,24 +29,24 @@ def resolve_device(name: str, *, local_rank: int = 0, field: str = "training.dev
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError):
-        raise ValueError(f"{given} is not a device; allowed: auto, cpu, cuda, "
-                         "cuda:N, mps") from None
+        raise UserError(f"{given} is not a device; allowed: auto, cpu, cuda, "
+                        "cuda:N, mps") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             build = ("this PyTorch build has no CUDA" if torch.version.cuda is None
                      else "no CUDA device is visible")
-            raise ValueError(f"{given} but {build} (torch {torch.__version__}); "
-                             "use 'cpu' or 'auto'")
+            raise UserError(f"{given} but {build} (torch {torch.__version__}); "
+                            "use 'cpu' or 'auto'")
         count = torch.cuda.device_count()
         if device.index is None:
             device = torch.device("cuda", local_rank % count)
         elif device.index >= count:
-            raise ValueError(f"{given} but only {count} CUDA device(s) are visible "
-                             f"(cuda:0 to cuda:{count - 1})")
+            raise UserError(f"{given} but only {count} CUDA device(s) are visible "
+                            f"(cuda:0 to cuda:{count - 1})")
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"{given} but MPS is not available; use 'cpu'")
+        raise UserError(f"{given} but MPS is not available; use 'cpu'")
     if device.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"{given}: densetrain runs on cpu, cuda and mps devices")
+        raise UserError(f"{given}: densetrain runs on cpu, cuda and mps devices")
     return device
 
 
@@ -60,7 +61,7 @@ def autocast_factory(
     if dtype == "fp32":
         return contextlib.nullcontext
     if dtype != "bf16":
-        raise ValueError(f"training.dtype must be 'fp32' or 'bf16', got {dtype!r}")
+        raise UserError(f"training.dtype must be 'fp32' or 'bf16', got {dtype!r}")
 
     def bf16_autocast() -> AbstractContextManager[None]:
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)

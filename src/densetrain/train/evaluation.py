@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from densetrain.data.stream import Batch, BatchStream
 from densetrain.data.stream import _segment_info as segment_info
+from densetrain.errors import UserError
 from densetrain.train.state import RunParts
 
 IGNORE_INDEX = -100
@@ -76,7 +77,7 @@ def validation_set(stream: BatchStream, num_windows: int) -> ValidationSet:
     ``floor((j + 1/2) * total / num_windows)`` of the list of every source's sequences in turn.
     Independent of the stream's seed, its rank and any batch size."""
     if num_windows < 0:
-        raise ValueError(f"eval.num_windows must be >= 0 (0 = the whole split), got {num_windows}")
+        raise UserError(f"eval.num_windows must be >= 0 (0 = the whole split), got {num_windows}")
     counts = [int(n) for n in stream.num_sequences]
     total = sum(counts)
     if num_windows == 0 or num_windows >= total:

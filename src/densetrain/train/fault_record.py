@@ -93,11 +93,11 @@ class FaultRecord:
 def _step_field(event: dict[str, Any], name: str) -> int:
     """``event[name]``, which must be a step number (an integer >= 0)."""
     if name not in event:
-        raise ValueError(f"a {event['event']} event needs the field {name!r}, which is missing")
+        raise UserError(f"a {event['event']} event needs the field {name!r}, which is missing")
     value = event[name]
     if not is_int_at_least(value, 0):
-        raise ValueError(f"field {name!r} is {value!r}; it must be a step number (an integer "
-                         ">= 0)")
+        raise UserError(f"field {name!r} is {value!r}; it must be a step number (an integer "
+                        ">= 0)")
     return value
 
 
@@ -108,20 +108,20 @@ def check_event(event: dict[str, Any]) -> None:
     ``0 <= start <= end``."""
     kind = event.get("event")
     if kind not in EVENT_KINDS:
-        raise ValueError(f"field 'event' is {kind!r}; a fault event is one of "
-                         f"{', '.join(EVENT_KINDS)}")
+        raise UserError(f"field 'event' is {kind!r}; a fault event is one of "
+                        f"{', '.join(EVENT_KINDS)}")
     if kind != "rollback":
         return
     spike_step, to_step = _step_field(event, "spike_step"), _step_field(event, "to_step")
     if to_step >= spike_step:
-        raise ValueError(f"field 'to_step' is {to_step}, not before 'spike_step' {spike_step}: "
-                         "a rollback goes back to an earlier step")
+        raise UserError(f"field 'to_step' is {to_step}, not before 'spike_step' {spike_step}: "
+                        "a rollback goes back to an earlier step")
     skip = event.get("skip")
     if not (isinstance(skip, list) and len(skip) == 2
             and all(isinstance(x, int) and not isinstance(x, bool) for x in skip)
             and 0 <= skip[0] <= skip[1]):
-        raise ValueError(f"field 'skip' is {skip!r}; it must be the skipped sequence positions "
-                         "[start, end], integers with 0 <= start <= end")
+        raise UserError(f"field 'skip' is {skip!r}; it must be the skipped sequence positions "
+                        "[start, end], integers with 0 <= start <= end")
 
 
 def read_history(run_dir: str | Path, *, drop_torn: bool = False) -> list[dict[str, Any]]:

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from densetrain.errors import UserError
+from densetrain.errors import UserError, UserFileNotFoundError
 from densetrain.storage_url import take_retries
 from densetrain.train.jsonl import drop_torn_tail, read_json_lines
 from densetrain.values import is_int_at_least
@@ -55,8 +55,8 @@ def read_ledger(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
 def _parse_ledger(path: Path) -> tuple[list[dict[str, Any]], int | None]:
     """(The ledger's whole lines, the byte offset of a torn last line or None)."""
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: not a densetrain run directory, or "
-                                "the run predates the goodput ledger")
+        raise UserFileNotFoundError(f"{path} does not exist: not a densetrain run directory, or "
+                                    "the run predates the goodput ledger")
     return read_json_lines(path, "goodput ledger line", check_line)
 
 
@@ -74,32 +74,32 @@ def check_line(entry: dict[str, Any]) -> None:
     seconds >= 0."""
     for name in ("process", "start", "end", "step", "buckets"):
         if name not in entry:
-            raise ValueError(f"the field {name!r} is missing")
+            raise UserError(f"the field {name!r} is missing")
     if not isinstance(entry["process"], str):
-        raise ValueError(f"field 'process' is {entry['process']!r}; it must be a string")
+        raise UserError(f"field 'process' is {entry['process']!r}; it must be a string")
     start, end = _seconds(entry["start"]), _seconds(entry["end"])
     for name, value in (("start", start), ("end", end)):
         if value is None:
-            raise ValueError(f"field {name!r} is {entry[name]!r}; it must be a finite time "
-                             "in seconds")
+            raise UserError(f"field {name!r} is {entry[name]!r}; it must be a finite time "
+                            "in seconds")
     if end < start:
-        raise ValueError(f"field 'end' {end} is before 'start' {start}")
+        raise UserError(f"field 'end' {end} is before 'start' {start}")
     step = entry["step"]
     if not is_int_at_least(step, 0):
-        raise ValueError(f"field 'step' is {step!r}; it must be an integer >= 0")
+        raise UserError(f"field 'step' is {step!r}; it must be an integer >= 0")
     buckets = entry["buckets"]
     if not isinstance(buckets, dict):
-        raise ValueError(f"field 'buckets' is {buckets!r}; it must be an object of seconds "
-                         "per bucket")
+        raise UserError(f"field 'buckets' is {buckets!r}; it must be an object of seconds "
+                        "per bucket")
     written = [b for b in BUCKETS if b != "down"]
     for bucket, value in buckets.items():
         if bucket not in written:
-            raise ValueError(f"field 'buckets.{bucket}': no such bucket; the buckets are "
-                             f"{', '.join(written)}")
+            raise UserError(f"field 'buckets.{bucket}': no such bucket; the buckets are "
+                            f"{', '.join(written)}")
         seconds = _seconds(value)
         if seconds is None or seconds < 0:
-            raise ValueError(f"field 'buckets.{bucket}' is {value!r}; seconds must be a finite "
-                             "number >= 0")
+            raise UserError(f"field 'buckets.{bucket}' is {value!r}; seconds must be a finite "
+                            "number >= 0")
 
 
 def high_water_step(lines: list[dict[str, Any]]) -> int:

@@ -29,6 +29,7 @@ import os
 import sys
 
 from densetrain.config.sections import HOST_ALLOCATORS
+from densetrain.errors import UserError
 
 __all__ = ["HOST_ALLOCATORS", "TUNED_GLIBC_TUNABLES", "restart_with_tuned_allocator",
            "tune_host_allocator"]
@@ -81,8 +82,8 @@ def tune_host_allocator(choice: str, device_type: str) -> str:
     ``glibc.malloc.mmap_max`` is the user's choice and is left as it is.
     """
     if choice not in HOST_ALLOCATORS:
-        raise ValueError(f"training.host_allocator must be one of {HOST_ALLOCATORS}, "
-                         f"got {choice!r}")
+        raise UserError(f"training.host_allocator must be one of {HOST_ALLOCATORS}, "
+                        f"got {choice!r}")
     if choice == "system":
         return "host allocator: system defaults (training.host_allocator=system)"
     if device_type != "cpu":

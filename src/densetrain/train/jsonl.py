@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from densetrain.errors import UserError
+
 
 def read_json_lines(path: Path, what: str,
                     check: Callable[[dict[str, Any]], object] | None = None,
@@ -44,7 +46,7 @@ def read_json_lines(path: Path, what: str,
             if not any(rest.strip() for rest in raw_lines[number:]):
                 return records, line_start  # torn: its process stopped while writing it
             detail = err.msg if isinstance(err, json.JSONDecodeError) else str(err)
-            raise ValueError(f"{path}:{number}: not a {what} ({detail})") from err
+            raise UserError(f"{path}:{number}: not a {what} ({detail})") from err
         try:  # a whole JSON line: never torn, so a wrong one is damage even when last
             if not isinstance(record, dict):
                 raise TypeError(f"a JSON {type(record).__name__}, not an object")
@@ -52,7 +54,7 @@ def read_json_lines(path: Path, what: str,
                 check(record)
         except (KeyError, TypeError, ValueError) as err:
             detail = f"no field {err}" if isinstance(err, KeyError) else str(err)
-            raise ValueError(f"{path}:{number}: not a {what} ({detail})") from err
+            raise UserError(f"{path}:{number}: not a {what} ({detail})") from err
         records.append(record)
     return records, None
 

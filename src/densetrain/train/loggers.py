@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any, Protocol
 
+from densetrain.errors import UserError
+
 TENSORBOARD_MISSING = (
     "note: tensorboard is not installed, so no TensorBoard events are written "
     "(pip install 'densetrain[tensorboard]', or --logging.tensorboard=false to silence this)"
@@ -99,7 +101,7 @@ class WandbSink:
         try:
             import wandb
         except ImportError as err:
-            raise ValueError(WANDB_MISSING) from err
+            raise UserError(WANDB_MISSING) from err
         log_dir = Path(directory) if directory else run_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(

@@ -171,7 +171,7 @@ def check_optimizer_layout(path: Path, parts: RunParts) -> None:
     saved = layout_of_saved_keys(k[len("optim."):] for k in stored if k.startswith("optim."))
     now = parts.optimizer.checkpoint_layout
     if saved != now:
-        raise ValueError(
+        raise UserError(
             f"checkpoint {path} holds optimizer states {saved}, but this run's optimizer is "
             f"{now}: ZeRO-1/2 optimizer states are not resharded, so resume it with the same "
             "parallel.zero_stage and world size (or set checkpoint.resume=false and "

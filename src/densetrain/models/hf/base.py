@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
 from densetrain.values import is_int_at_least
 
@@ -85,7 +86,7 @@ def hf_int(hf: dict, key: str | tuple[str, ...], default: Any = _REQUIRED, *,
         return value
     if not is_int_at_least(value, minimum):
         wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"config.json {name} must be {wanted}, got {value!r}")
+        raise UserError(f"config.json {name} must be {wanted}, got {value!r}")
     return value
 
 
@@ -98,7 +99,7 @@ def hf_float(hf: dict, key: str | tuple[str, ...], default: Any = _REQUIRED, *,
     if (isinstance(value, bool) or not isinstance(value, (int, float))
             or not math.isfinite(value) or (positive and value <= 0)):
         wanted = "a number > 0" if positive else "a finite number"
-        raise ValueError(f"config.json {name} must be {wanted}, got {value!r}")
+        raise UserError(f"config.json {name} must be {wanted}, got {value!r}")
     return float(value)
 
 
@@ -108,8 +109,8 @@ def hf_bool(hf: dict, key: str | tuple[str, ...], default: Any = _REQUIRED) -> A
     if use_default:
         return value
     if not isinstance(value, bool):
-        raise ValueError(f"config.json {name} must be true or false (a JSON boolean), "
-                         f"got {value!r}")
+        raise UserError(f"config.json {name} must be true or false (a JSON boolean), "
+                        f"got {value!r}")
     return value
 
 
@@ -119,7 +120,7 @@ def hf_str(hf: dict, key: str | tuple[str, ...], default: Any = _REQUIRED) -> An
     if use_default:
         return value
     if not isinstance(value, str):
-        raise ValueError(f"config.json {name} must be a string, got {value!r}")
+        raise UserError(f"config.json {name} must be a string, got {value!r}")
     return value
 
 
@@ -166,7 +167,7 @@ class HFAdapter:
             if getattr(cfg, name) != want
         ]
         if problems:
-            raise ValueError(
+            raise UserError(
                 f"cannot export this model as Hugging Face {self.model_type!r}: "
                 + "; ".join(problems)
             )
@@ -296,7 +297,7 @@ def rope_from_hf(hf: dict) -> dict:
         if value is None:
             continue
         if not isinstance(value, dict):
-            raise ValueError(f"config.json {section} must be an object or null, got {value!r}")
+            raise UserError(f"config.json {section} must be an object or null, got {value!r}")
         nested.update({key: (f"{section}.{key}", item) for key, item in value.items()})
     flat = {name: item for name, item in nested.values()}
 
@@ -327,7 +328,7 @@ def rope_from_hf(hf: dict) -> dict:
             "original_max_seq_len": need(hf_int, "original_max_position_embeddings"),
         }
     elif rope_type != "default":
-        raise ValueError(
+        raise UserError(
             f"config.json rope type {rope_type!r} is not supported; allowed: 'default', 'llama3'"
         )
     return fields
@@ -355,7 +356,7 @@ def rope_to_hf(cfg: ModelConfig, *, with_fraction: bool = False) -> dict:
 def activation_from_hf(name: str, field: str) -> str:
     """densetrain activation of HF activation ``name``; ``ValueError`` naming ``field``."""
     if not isinstance(name, str) or name not in HF_ACTIVATIONS:
-        raise ValueError(
+        raise UserError(
             f"config.json {field}={name!r} is not supported; allowed: {sorted(HF_ACTIVATIONS)}"
         )
     return HF_ACTIVATIONS[name]
@@ -364,7 +365,7 @@ def activation_from_hf(name: str, field: str) -> str:
 def activation_to_hf(cfg: ModelConfig, family: str) -> str:
     """HF activation name of ``cfg.activation``; ``ValueError`` if the family cannot express it."""
     if cfg.activation not in DT_ACTIVATIONS:
-        raise ValueError(
+        raise UserError(
             f"cannot export this model as Hugging Face {family!r}: activation="
             f"{cfg.activation!r} (allowed: {sorted(DT_ACTIVATIONS)})"
         )

@@ -6,6 +6,7 @@ per-head interleaved fused ``query_key_value`` as GPT-NeoX's.
 
 from __future__ import annotations
 
+from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
 from densetrain.models.hf.base import (
     HFAdapter,
@@ -35,7 +36,7 @@ class BloomAdapter(HFAdapter):
     def config_from_hf(self, hf: dict) -> ModelConfig:
         """``ModelConfig`` of a BLOOM ``config.json``."""
         if hf_bool(hf, "apply_residual_connection_post_layernorm", False):
-            raise ValueError(
+            raise UserError(
                 "config.json apply_residual_connection_post_layernorm=true is not supported"
             )
         dim = hf_int(hf, ("hidden_size", "n_embed"))

@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from densetrain.errors import DamagedFileError, UserError
+from densetrain.errors import DamagedFileError, UserError, UserFileExistsError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -100,7 +100,7 @@ def checkpoint_files(directory: Path) -> dict[str, Path]:
         with open_safetensors(single) as handle:
             return {name: single for name in handle.keys()}
     found = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
-    raise ValueError(
+    raise UserError(
         f"{directory} holds no {SINGLE_FILE} or {INDEX_FILE} (found: {found}); only safetensors "
         "checkpoints are read"
     )
@@ -229,15 +229,15 @@ def write_directory_atomically(
     """
     target = Path(target)
     if target.exists() and not target.is_dir():
-        raise FileExistsError(f"{target} exists and is not a directory")
+        raise UserFileExistsError(f"{target} exists and is not a directory")
     if target.is_dir() and any(target.iterdir()):
         if not overwrite:
-            raise FileExistsError(
+            raise UserFileExistsError(
                 f"{target} exists and is not empty; choose another directory or replace it "
                 "with --overwrite (overwrite=True in Python)"
             )
         if not (target / "config.json").is_file():
-            raise FileExistsError(
+            raise UserFileExistsError(
                 f"{target} is not a model directory (no config.json), so --overwrite does not "
                 "replace it: it replaces only an earlier output of this command; choose another "
                 "output directory"
@@ -310,7 +310,7 @@ def torch_dtype_of(code: str) -> torch.dtype:
         if name == code:
             return dtype
     allowed = list(_SAFETENSORS_DTYPES.values())
-    raise ValueError(f"safetensors dtype {code!r} is not one of {allowed}")
+    raise UserError(f"safetensors dtype {code!r} is not one of {allowed}")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
 from densetrain.models.hf.base import (
     HFAdapter,
@@ -41,9 +42,9 @@ class GPT2Adapter(HFAdapter):
     def config_from_hf(self, hf: dict) -> ModelConfig:
         """``ModelConfig`` of a GPT-2 ``config.json``."""
         if hf_bool(hf, "scale_attn_by_inverse_layer_idx", False):
-            raise ValueError("config.json scale_attn_by_inverse_layer_idx=true is not supported")
+            raise UserError("config.json scale_attn_by_inverse_layer_idx=true is not supported")
         if not hf_bool(hf, "scale_attn_weights", True):
-            raise ValueError("config.json scale_attn_weights=false is not supported")
+            raise UserError("config.json scale_attn_weights=false is not supported")
         dim = hf_int(hf, "n_embd")
         return ModelConfig(
             vocab_size=hf_int(hf, "vocab_size"),

@@ -58,7 +58,7 @@ _MAX_LISTED = 5
 def get_adapter(model_type: str) -> HFAdapter:
     """The adapter of a Hugging Face ``model_type``; ``ValueError`` listing supported ones."""
     if model_type not in ADAPTERS:
-        raise ValueError(
+        raise UserError(
             f"unsupported Hugging Face model_type {model_type!r}; supported: "
             f"{list(SUPPORTED_MODEL_TYPES)}"
         )
@@ -67,23 +67,23 @@ def get_adapter(model_type: str) -> HFAdapter:
 
 def _adapter_for_config(hf_config: dict) -> HFAdapter:
     if "model_type" not in hf_config:
-        raise ValueError(
+        raise UserError(
             "config.json has no 'model_type', so it is not a Hugging Face config (a densetrain "
             "model directory is read with load_model / `densetrain convert --to-hf`); "
             f"supported model types: {list(SUPPORTED_MODEL_TYPES)}"
         )
     model_type = hf_config["model_type"]
     if not isinstance(model_type, str):
-        raise ValueError(f"config.json model_type must be a string, one of "
-                         f"{list(SUPPORTED_MODEL_TYPES)}; got {model_type!r}")
+        raise UserError(f"config.json model_type must be a string, one of "
+                        f"{list(SUPPORTED_MODEL_TYPES)}; got {model_type!r}")
     adapter = get_adapter(model_type)
     architectures = hf_config.get("architectures") or [adapter.architecture]
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
-        raise ValueError(f"config.json architectures must be a list of class names such as "
-                         f"[{adapter.architecture!r}], got {architectures!r}")
+        raise UserError(f"config.json architectures must be a list of class names such as "
+                        f"[{adapter.architecture!r}], got {architectures!r}")
     unsupported = [a for a in architectures if a != adapter.architecture]
     if unsupported:
-        raise ValueError(
+        raise UserError(
             f"unsupported architecture {unsupported[0]!r} for model_type "
             f"{adapter.model_type!r}; supported: {[adapter.architecture]} (a causal LM head)"
         )
@@ -216,7 +216,7 @@ def _check_duplicate_head(
 ) -> None:
     hf_names = {p.dt: p.hf for p in adapter.rename_pairs(cfg)}
     if not torch.equal(head, state[hf_names["tok_embeddings.weight"]]):
-        raise ValueError(
+        raise UserError(
             "config.json says tie_word_embeddings=true but the checkpoint's output head differs "
             "from its token embedding"
         )
@@ -279,7 +279,7 @@ def save_hf(
     cfg = model.config
     family = hf_family or cfg.extra.get("hf_family")
     if family is None:
-        raise ValueError(
+        raise UserError(
             "the model's config names no hf_family (config.extra['hf_family']); pass hf_family, "
             f"one of {list(SUPPORTED_MODEL_TYPES)}"
         )

@@ -7,6 +7,7 @@ projection rows need no permutation.
 
 from __future__ import annotations
 
+from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
 from densetrain.models.hf.base import (
     STANDARD_HF_KEYS,
@@ -36,7 +37,7 @@ class LlamaAdapter(HFAdapter):
     def config_from_hf(self, hf: dict) -> ModelConfig:
         """``ModelConfig`` of a LLaMA-family ``config.json``."""
         if hf_str(hf, "hidden_act", "silu") != "silu":
-            raise ValueError(
+            raise UserError(
                 f"config.json hidden_act={hf['hidden_act']!r} is not supported for "
                 f"{self.model_type}; allowed: 'silu' (SwiGLU)"
             )
@@ -162,10 +163,10 @@ class Qwen3Adapter(LlamaAdapter):
             return None
         layer_types = hf.get("layer_types") or []
         if not isinstance(layer_types, list):
-            raise ValueError(f"config.json layer_types must be a list of attention types, got "
-                             f"{layer_types!r}")
+            raise UserError(f"config.json layer_types must be a list of attention types, got "
+                            f"{layer_types!r}")
         if any(t != "sliding_attention" for t in layer_types):
-            raise ValueError(
+            raise UserError(
                 "config.json layer_types mixes full and sliding attention; only one attention "
                 "type for all layers is supported"
             )

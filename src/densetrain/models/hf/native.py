@@ -105,7 +105,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None) -> Transfo
     try:
         return build_model(cfg, state)
     except RuntimeError as error:
-        raise ValueError(f"{directory}: tensors do not match config.json: {error}") from error
+        raise UserError(f"{directory}: tensors do not match config.json: {error}") from error
 
 
 def is_model_dir(path: str | Path) -> bool:

@@ -8,6 +8,7 @@ projects in and out (``project_in``/``project_out``), and normalises after each 
 
 from __future__ import annotations
 
+from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
 from densetrain.models.hf.base import (
     STANDARD_HF_KEYS,
@@ -39,7 +40,7 @@ class OPTAdapter(HFAdapter):
     def config_from_hf(self, hf: dict) -> ModelConfig:
         """``ModelConfig`` of an OPT ``config.json``."""
         if not hf_bool(hf, "layer_norm_elementwise_affine", True):
-            raise ValueError("config.json layer_norm_elementwise_affine=false is not supported")
+            raise UserError("config.json layer_norm_elementwise_affine=false is not supported")
         pre_norm = hf_bool(hf, "do_layer_norm_before", True)
         bias = hf_bool(hf, "enable_bias", True)
         dim = hf_int(hf, "hidden_size")
@@ -108,7 +109,7 @@ class OPTAdapter(HFAdapter):
         """Also refuses post-norm with a final norm (OPT post-norm models have none)."""
         super().check_expressible(cfg)
         if cfg.norm_position == "post" and cfg.final_norm:
-            raise ValueError(
+            raise UserError(
                 "cannot export this model as Hugging Face 'opt': norm_position='post' with "
                 "final_norm=True (OPT post-norm models have no final norm)"
             )

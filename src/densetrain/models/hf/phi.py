@@ -6,6 +6,7 @@ linear layer including the output projection.
 
 from __future__ import annotations
 
+from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
 from densetrain.models.hf.base import (
     STANDARD_HF_KEYS,
@@ -38,7 +39,7 @@ class PhiAdapter(HFAdapter):
     def config_from_hf(self, hf: dict) -> ModelConfig:
         """``ModelConfig`` of a phi ``config.json``."""
         if hf_bool(hf, "qk_layernorm", False):
-            raise ValueError("config.json qk_layernorm=true is not supported for phi")
+            raise UserError("config.json qk_layernorm=true is not supported for phi")
         heads = hf_int(hf, "num_attention_heads")
         return ModelConfig(
             vocab_size=hf_int(hf, "vocab_size"),

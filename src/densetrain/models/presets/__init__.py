@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable
 
+from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
 from densetrain.models.presets import (
     bloom,
@@ -61,7 +62,7 @@ def get_preset(name: str, **overrides) -> ModelConfig:
     if key not in _REGISTRY:
         close = difflib.get_close_matches(key, _REGISTRY, n=5, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise ValueError(
+        raise UserError(
             f"unknown model preset {name!r}{hint} (all {len(_REGISTRY)}: `densetrain presets`, "
             "or list_presets() in Python)"
         )
