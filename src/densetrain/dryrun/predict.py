@@ -89,9 +89,9 @@ def planner_comm(job: JobConfig, world_size: int, pp_rank: int | None = None
                  ) -> dict[str, float]:
     """The planner's bytes sent per device and step, by `COMM_KINDS` (ring collectives:
     all-reduce 2(n-1)/n of the payload, all-gather and reduce-scatter (n-1)/n). The planner's
-    pipeline traffic is a middle stage's (activations forward and gradients back); at
-    ``pp_rank`` 0 or the last (one stage per rank) only one of the two is sent. With
-    ``pp_rank`` the counts are of that rank's stage."""
+    pipeline traffic is a middle stage's (activations forward and gradients back); with
+    ``pp_rank`` the counts are of that rank's stages, of which the pipeline's first and last
+    send one direction only."""
     if pp_rank is None:
         metrics = _evaluate(job, world_size)
         out = {kind: float(metrics[f"{kind}_bytes"]) for kind in COMM_KINDS}
@@ -103,22 +103,30 @@ def planner_comm(job: JobConfig, world_size: int, pp_rank: int | None = None
         comm = comm_columns(cfg, job.data.seq_len, cols, settings, get_cluster("h100-80gb"), mem)
         out = {kind: float(comm[f"{kind}_bytes"][0]) for kind in COMM_KINDS}
     par = job.parallel
-    if pp_rank in (0, par.pp - 1) and par.pp > 1 and par.pp_virtual_stages == 1:
-        out["pp"] /= 2
+    if pp_rank is not None and par.pp > 1:
+        # the pipeline's first stage sends no gradients back, its last no activations on: a
+        # rank holding one of them sends in 2v - 1 of its 2v directions (ZB-V's V puts both
+        # on rank 0)
+        ends = 2 * (pp_rank == 0) if par.pp_schedule == "zbv" else (
+            (pp_rank == 0) + (pp_rank == par.pp - 1))
+        v = par.pp_virtual_stages
+        out["pp"] *= (2 * v - ends) / (2 * v)
     return out
 
 
-def traced_comm(report, job: JobConfig) -> dict[str, float]:
+def traced_comm(report, job: JobConfig) -> dict[str, float | None]:
     """The traced collectives of ``report`` as the planner counts them: bytes each rank sends per
     step with ring collectives (the payload times the ring factor of the group's size; a send's
     payload; receives are counted by their sender), by `COMM_KINDS`. The traced micro-batches
-    stand for the step's: their traffic is scaled by microbatches per step over traced ones."""
+    stand for the step's: their traffic is scaled by microbatches per step over traced ones,
+    except data-parallel traffic under pipeline parallelism (`pipelined_fsdp_calls`); None
+    where that traffic does not follow the rule the extrapolation needs."""
     from densetrain.parallel.mesh import FLATTENED_AXES, ParallelDims
     from densetrain.planner.comm import ring_factor
 
     dims = ParallelDims.from_config(job.parallel, report.world_size)
     scale = report.microbatches / report.traced_microbatches
-    out = dict.fromkeys(COMM_KINDS, 0.0)
+    out: dict[str, float | None] = dict.fromkeys(COMM_KINDS, 0.0)
     for c in report.collectives:
         axes = FLATTENED_AXES.get(c.group, (c.group,))
         if any(a not in ("pp", "dp_replicate", "dp_shard", "cp", "tp") for a in axes):
@@ -128,11 +136,46 @@ def traced_comm(report, job: JobConfig) -> dict[str, float]:
             size *= dims.degree(axis)
         kind = axes[0] if axes[0] in ("tp", "pp", "cp") else "dp"
         if c.kind in ("all_gather", "reduce_scatter", "all_reduce"):
-            sent = c.bytes * float(ring_factor(size, c.kind))
+            factor = float(ring_factor(size, c.kind))
         else:
-            sent = c.bytes if c.kind in ("send", "broadcast", "all_to_all") else 0.0
-        out[kind] += sent * scale
+            factor = 1.0 if c.kind in ("send", "broadcast", "all_to_all") else 0.0
+        if kind == "dp" and report.stage_chunks:
+            payload = pipelined_fsdp_calls(report, c)
+            if payload is None or out[kind] is None:
+                out[kind] = None
+                continue
+        else:
+            payload = c.bytes * scale
+        out[kind] += payload * factor
     return out
+
+
+def pipelined_fsdp_calls(report, collective) -> float | None:
+    """Payload bytes a step moves in ``collective`` (a data-parallel one) on a pipeline rank,
+    from the traced microbatches, or None where the trace does not follow the rule below.
+
+    Under torch's GPipe and 1F1B schedules a stage stays gathered from one
+    microbatch's backward to the next forward, so each FSDP unit gathers ``c + 1`` times over
+    ``c`` microbatches, except each stage's last block (never resharded after forward), which
+    gathers once; gradients are reduced once, by the last backward
+    (`planner.comm.fsdp_calls_per_step`, which models the same from the config). The trace is
+    checked against that rule call by call: of the calls of each size, all but ``size mod
+    (c + 1)`` come in runs of ``c + 1`` (the units' gathers; a step of ``m`` microbatches makes
+    ``m + 1``), the rest are the once-a-step gathers, one per stage; each unit reduces once. A
+    trace that breaks the rule (torch's runtime for the interleaved and zero-bubble schedules
+    gathers otherwise) is not extrapolated."""
+    runs = report.traced_microbatches + 1
+    units, chunks = report.fsdp_units, report.stage_chunks
+    if collective.kind == "all_gather":
+        once = {size: calls % runs for size, calls in collective.sizes.items()}
+        if sum(once.values()) != chunks or collective.calls != runs * (units - chunks) + chunks:
+            return None
+        per_run = (report.microbatches + 1) / runs
+        return sum(size * ((calls - once[size]) * per_run + once[size])
+                   for size, calls in collective.sizes.items())
+    if collective.kind == "reduce_scatter" and collective.calls != units:
+        return None
+    return float(collective.bytes)  # reductions and the norm's all-reduce: once a step
 
 
 def planner_by_rank(job: JobConfig, world_size: int, reports) -> dict[int, dict[str, float]]:
@@ -143,19 +186,16 @@ def planner_by_rank(job: JobConfig, world_size: int, reports) -> dict[int, dict[
 
 def comm_by_rank(job: JobConfig, world_size: int, reports) -> dict[int, dict[str, tuple]]:
     """Per report's rank and `COMM_KINDS` kind: (traced, planner) bytes sent per step, or
-    (traced, None) where the two cannot be compared: data-parallel traffic under pipeline
-    parallel, where FSDP's gathers depend on how the schedule interleaves the step's
-    microbatches (a stage stays gathered from one backward to the next forward), so the traced
-    microbatches do not scale to the step."""
+    (traced, None) where the two cannot be compared; traced None: the traced microbatches do
+    not extrapolate to the step (`pipelined_fsdp_calls`)."""
     out = {}
     for r in reports:
         pp_rank = r.coordinates.get("pp", 0) if job.parallel.pp > 1 else None
         traced, planned = traced_comm(r, job), planner_comm(job, world_size, pp_rank)
         rows = {}
         for kind in COMM_KINDS:
-            if not traced[kind] and not planned[kind]:
+            if traced[kind] == 0 and not planned[kind]:
                 continue
-            comparable = not (kind == "dp" and job.parallel.pp > 1)
-            rows[kind] = (traced[kind], planned[kind] if comparable else None)
+            rows[kind] = (traced[kind], planned[kind] if traced[kind] is not None else None)
         out[r.rank] = rows
     return out

@@ -61,8 +61,12 @@ def format_report(reports: list[RankReport],
             lines.append(f"  {c.kind:<15} over {c.group:<12} {c.calls:5d} calls "
                          f"{c.bytes / 1e9:10.3f} GB   ({dtypes})")
         for kind, (traced, planned) in (comm or {}).get(r.rank, {}).items():
-            versus = ("not compared (FSDP under the pipeline schedule)" if planned is None else
-                      f"planner {planned / 1e9:.1f} GB (traced/predicted "
+            if traced is None:  # `dryrun.predict.pipelined_fsdp_calls`
+                lines.append(f"  sent per step over {kind:<3} not compared: the traced "
+                             "microbatches' FSDP calls do not extrapolate to the step under "
+                             "this pipeline schedule")
+                continue
+            versus = (f"planner {planned / 1e9:.1f} GB (traced/predicted "
                       f"{traced / planned:.3f})" if planned else "planner 0")
             lines.append(f"  sent per step over {kind:<3} traced {traced / 1e9:10.1f} GB   "
                          f"{versus}")

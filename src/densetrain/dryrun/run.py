@@ -57,6 +57,10 @@ class RankReport:
     local_params: int
     seconds: float
     traced_microbatches: int = 1
+    fsdp_units: int = 0
+    """FSDP units of the rank's pipeline stages (blocks and each stage's root; 0 without both)."""
+    stage_chunks: int = 0
+    """Pipeline stages this rank runs (virtual stages; 0 without pipeline parallelism)."""
     save_items: int = 0
     save_bytes: int = 0
     not_traced: tuple[str, ...] = NOT_TRACED
@@ -153,6 +157,8 @@ def _optimizer_as_on_device(job: JobConfig, notes: list[str]) -> JobConfig:
 
 
 def _step(job: JobConfig, model, pmesh, rank: int) -> RankReport:
+    from torch.distributed.fsdp import FSDPModule
+
     from densetrain.data.stream import Batch
     from densetrain.parallel.mesh import MESH_AXES
     from densetrain.train.device import autocast_factory
@@ -195,6 +201,8 @@ def _step(job: JobConfig, model, pmesh, rank: int) -> RankReport:
         tracer.set_phase("optimizer")
         optimizer.step()
     grads = [p.grad for p in params if p.grad is not None] + list(optimizer.grad_shards())
+    chunks = list(model.pipeline.modules) if dims.pp > 1 else []
+    units = sum(isinstance(sub, FSDPModule) for chunk in chunks for sub in chunk.modules())
     save_items, save_bytes = _save_plan(model, optimizer, is_coordinator=rank == 0, notes=notes)
     return RankReport(
         rank=rank, world_size=dims.world_size,
@@ -207,6 +215,7 @@ def _step(job: JobConfig, model, pmesh, rank: int) -> RankReport:
         collectives=sorted(tracer.collectives.values(), key=lambda c: (c.group, c.kind)),
         micro_batch_size=micro, seq_len=job.data.seq_len,
         microbatches=local_batch // micro, traced_microbatches=max(traced_micro, 1),
+        fsdp_units=units, stage_chunks=len(chunks),
         local_params=sum((p.to_local() if hasattr(p, "to_local") else p).numel()
                          for p in params),
         seconds=0.0, notes=notes, save_items=save_items, save_bytes=save_bytes,
@@ -229,9 +238,10 @@ def _static_pipeline(model, job: JobConfig, micro: int, autocast,
     gradients made instead, and the report says so.
 
     Memory: 1F1B holds at most ``pp`` microbatches in flight and the interleaved schedules at most
-    ``2 * pp`` per stage, so the schedule runs ``min(m, pp + 1)`` (``min(m, 2 * pp + 1)``) of the
-    step's ``m`` microbatches, reaching its steady state (in-flight microbatches beside the
-    gradients accumulated since the first backward; the later ones repeat it); GPipe holds all
+    ``2 * pp`` per stage, so the schedule runs ``min(m, pp + 1)`` (``min(m, 2 * pp + 2)``, the
+    next count torch's interleaved rounds accept) of the step's ``m`` microbatches, reaching its
+    steady state (in-flight microbatches beside the gradients accumulated since the first
+    backward; the later ones repeat it); GPipe holds all
     ``m`` and runs them all. torch allocates, at the first step, one activation and one
     gradient receive buffer per stage for every microbatch of the step, kept for the schedule's
     life: those of the microbatches not run are counted from the stage's shapes (modelled, and
@@ -257,6 +267,11 @@ def _static_pipeline(model, job: JobConfig, micro: int, autocast,
     # in-flight microbatches and the gradients accumulated since its first backward (FSDP keeps
     # them unsharded, in fp32, until the last microbatch's backward reduce-scatters them)
     count = min(m, in_flight + 1)
+    if cfg.pp_schedule in ("interleaved_1f1b", "zero_bubble"):
+        # torch's interleaved schedules run their microbatches in rounds of pp and refuse a
+        # count that the rounds (count // pp of them) do not divide: 2pp + 1 never fits
+        while count < m and count % max(1, count // pp):
+            count += 1
     buffer_bytes = []  # per microbatch: what each stage receives (activations, gradients)
     seq = job.data.seq_len // pmesh.dims.cp
     dim = job.build_model_config().dim

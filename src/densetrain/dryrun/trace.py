@@ -41,13 +41,15 @@ _COLLECTIVES = {
 @dataclass
 class Collective:
     """One kind of collective on one mesh dimension: how many calls and their bytes (the whole
-    buffer of an all-gather or reduce-scatter, the tensor of an all-reduce or broadcast)."""
+    buffer of an all-gather or reduce-scatter, the tensor of an all-reduce or broadcast), and
+    how many calls moved each size (``sizes``: bytes of one call -> calls)."""
 
     kind: str
     group: str
     calls: int = 0
     bytes: int = 0
     dtypes: Counter = field(default_factory=Counter)
+    sizes: Counter = field(default_factory=Counter)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -175,6 +177,7 @@ class StepTracer(TorchDispatchMode):
         entry = self.collectives.setdefault((kind, group), Collective(kind, group))
         entry.calls += 1
         entry.bytes += contributed
+        entry.sizes[contributed] += 1
         entry.dtypes[str(dtype).removeprefix("torch.")] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

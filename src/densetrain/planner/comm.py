@@ -14,8 +14,9 @@ device sends with ring collectives: all-reduce 2(n-1)/n x size, all-gather and r
 - DP/FSDP: stage 0 all-reduces gradients once a step; stage 1 reduce-scatters them and
   all-gathers the updated parameters; stage 2 reduce-scatters every microbatch; stage 3
   all-gathers parameters in forward and in backward and reduce-scatters gradients every
-  microbatch (1.5x stage 0 at one microbatch, as in the ZeRO paper). HSDP adds an all-reduce
-  of the gradient shard over ``dp_replicate``.
+  microbatch (1.5x stage 0 at one microbatch, as in the ZeRO paper); under pipeline parallelism
+  the stage stays gathered between microbatches and reduces once (`fsdp_calls_per_step`). HSDP
+  adds an all-reduce of the gradient shard over ``dp_replicate``.
 - PP: each microbatch's activation forward and its gradient backward at every stage boundary,
   times the virtual stages: whole on every tp rank (torch's pipeline stages, the trainer's), or
   split over tp ranks (Megatron's scatter/gather, ``PlanSettings.pp_scatter_gather``).
@@ -91,7 +92,7 @@ def comm_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, settings: 
     bw, lat = link(cluster, tp * cp * shard * rep * np.minimum(cols.pp, 2), pp_act)
     out["pp_s"] = out["pp_bytes"] / bw + boundaries * lat
 
-    out.update(_dp_comm(cols, mem, cluster, g_bytes, gather_bytes, tp * cp, layers))
+    out.update(_dp_comm(cols, mem, cluster, settings, tp * cp, layers))
     return out
 
 
@@ -112,13 +113,49 @@ def _tp_recompute_calls(cols: LayoutColumns, settings: PlanSettings) -> np.ndarr
                     np.where(policy == AC_POLICIES.index("selective"), selective, 0.0))
 
 
+def fsdp_calls_per_step(cols: LayoutColumns, mem: dict[str, np.ndarray],
+                        settings: PlanSettings) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(all-gathers, reduce-scatters, all-gathers in forward) of ZeRO-3 per step, in
+    whole-stage equivalents (the stage's parameters gathered or its gradients reduced once: 1.0).
+    The gathers not in forward are in backward.
+
+    Without pipeline parallelism every FSDP unit gathers in each microbatch's forward and again
+    in its backward, and reduce-scatters its gradients in each backward: 2m and m.
+
+    Under pipeline parallelism as torch's schedules run it (``pp_keeps_stage_unsharded``), the
+    backward of every microbatch but the last leaves the stage gathered, so a unit gathers again
+    only in a forward that follows another forward (resharded after it) and in a backward that
+    follows a forward. Under GPipe and 1F1B that is m + 1 gathers a step for every unit (one at
+    the first forward, one per backward that directly follows a forward), whatever the warm-up,
+    except each stage's last block, which is never resharded after its forward and so gathers
+    once. Traced by the dry runs of Llama 3 70B and 405B (161 gathers for the 40 units of a 70B
+    first stage over 3 microbatches: 40 x 4 + 1; docs/planner.md). The interleaved and
+    zero-bubble schedules are counted the same way, per virtual stage, unverified: torch's
+    runtime for them gathers otherwise (211 gathers where the rule says 222 on a 70B rank of
+    two virtual stages over 10 microbatches), which the dry run reports as not compared.
+    Gradients are reduced once, by the last microbatch's backward
+    (``pp_accumulates_unsharded_grads``; False: every microbatch, Llama 3's own pipelined FSDP).
+    """
+    m = mem["microbatches"]
+    psi = np.maximum(mem["stage_params"], 1.0)
+    piped = (cols.pp > 1) & settings.pp_keeps_stage_unsharded
+    last_blocks = np.minimum(cols.pp_virtual_stages * mem["layer_params"], psi)
+    gathers_piped = ((m + 1.0) * (psi - last_blocks) + last_blocks) / psi
+    gathers = np.where(piped, gathers_piped, 2.0 * m)
+    once = piped & settings.pp_accumulates_unsharded_grads
+    # under the pipeline, the first forward's gathers stand for those of the warm-up forwards
+    return gathers, np.where(once, 1.0, m), np.where(piped, 1.0, m)
+
+
 def _dp_comm(cols: LayoutColumns, mem: dict[str, np.ndarray], cluster: ClusterSpec,
-             g_bytes: int, gather_bytes: int, inner, layers) -> dict[str, np.ndarray]:
+             settings: PlanSettings, inner, layers) -> dict[str, np.ndarray]:
     """Per-collective DP/FSDP times (for the overlap model) and the step's DP bytes.
 
     Each collective moves one layer's share (FSDP units are layers; DDP's gradient buckets are
     of that order), which sets its payload and so its bandwidth (``link``), and there is one
-    per layer, each paying the latency."""
+    per layer, each paying the latency. ``dp_ag_per_step`` and ``dp_rs_per_step``: how many
+    times a step pays ``dp_all_gather_s`` and ``dp_reduce_scatter_s``."""
+    _, g_bytes, _, gather_bytes = settings.bytes_per_param
     psi = mem["stage_params"]
     m = mem["microbatches"]
     stage = cols.zero_stage
@@ -139,8 +176,11 @@ def _dp_comm(cols: LayoutColumns, mem: dict[str, np.ndarray], cluster: ClusterSp
     t_rs = rs_bytes / bw_shard + (shard > 1) * lat_shard * lat_steps(shard)
     t_ag = ag_bytes / bw_shard + (shard > 1) * lat_shard * lat_steps(shard)
     t_rep = rep_bytes / bw_rep + (rep > 1) * lat_rep * lat_steps(rep)
-    rs_per_step = np.where(stage >= 2, m, 1.0)
-    ag_per_step = np.where(stage == 3, 2.0 * m, 1.0)
+    fsdp_gathers, fsdp_reduces, forward_gathers = fsdp_calls_per_step(cols, mem, settings)
+    rs_per_step = np.where(stage == 3, fsdp_reduces, np.where(stage == 2, m, 1.0))
+    ag_per_step = np.where(stage == 3, fsdp_gathers, 1.0)
     total = ar_bytes + rs_bytes * rs_per_step + ag_bytes * ag_per_step + rep_bytes
     return {"dp_bytes": total, "dp_allreduce_s": t_ar, "dp_reduce_scatter_s": t_rs,
-            "dp_all_gather_s": t_ag, "dp_replicate_s": t_rep}
+            "dp_all_gather_s": t_ag, "dp_replicate_s": t_rep,
+            "dp_ag_per_step": ag_per_step, "dp_rs_per_step": rs_per_step,
+            "dp_ag_forward_per_step": np.where(stage == 3, forward_gathers, 0.0)}

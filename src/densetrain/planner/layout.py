@@ -189,6 +189,15 @@ class PlanSettings:
     them), the stage's whole parameter count in gradient bytes. Found by the dry run of the
     Llama 3 405B last stage (docs/planner.md). False: gradients reduce-scattered every
     microbatch (Llama 3's pipelined FSDP, Dubey et al. 2024 §3.3.2)."""
+    pp_reshards_after_forward: bool = True
+    """With ``pp_keeps_stage_unsharded``: the trainer's FSDP reshards every unit but the stage's
+    last block after each forward and the backward gathers it again (so a unit gathers m + 1
+    times a step, `comm.fsdp_calls_per_step`); at a stage's activation peak, the end of a
+    forward, only the last block of each of the rank's stages and the one prefetched for the
+    backward are gathered, not the whole stage. Found by the dry run of Llama 3 70B on TP 8 x PP
+    4 (the last stage: 1.13x the traced peak while the whole stage was counted gathered).
+    False: the stage stays gathered through the step (Llama 3's pipelined FSDP, which does not
+    reshard after forward)."""
     chunked_loss: bool = True
     """Output projection + cross-entropy in chunks, so full logits are never held."""
     activation_bytes: int = 2

@@ -267,14 +267,19 @@ def memory_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layo
     buffers = buffers + settings.workspace_gb * 1e9
     buffers = buffers + recv
     if settings.pp_keeps_stage_unsharded:
-        # the stage's parameters stay gathered and its gradients accumulate unsharded (in the
-        # gradients' dtype) from the first microbatch's backward to the last
-        # (``pp_accumulates_unsharded_grads``)
-        # (the per-layer FSDP buffers above are part of the whole stage here)
+        # the stage's gradients accumulate unsharded (in the gradients' dtype) from the first
+        # microbatch's backward to the last (``pp_accumulates_unsharded_grads``); its parameters
+        # stay gathered between a backward and the next forward, which reshards all but each
+        # stage's last block (``pp_reshards_after_forward``): at the end of a forward, the
+        # activation peak, those and the block prefetched for the backward are gathered
+        # (the per-layer FSDP buffers above are part of these here)
         whole_stage = (cols.pp > 1) & fsdp
-        held = gather_bytes + (g_bytes if settings.pp_accumulates_unsharded_grads else 0)
-        buffers = np.where(whole_stage, stage_params * held + settings.workspace_gb * 1e9 + recv,
-                           buffers)
+        gathered = stage_params
+        if settings.pp_reshards_after_forward:
+            gathered = np.minimum((cols.pp_virtual_stages + 1.0) * layer_params, stage_params)
+        grads_held = stage_params * g_bytes if settings.pp_accumulates_unsharded_grads else 0.0
+        buffers = np.where(whole_stage, gathered * gather_bytes + grads_held
+                           + settings.workspace_gb * 1e9 + recv, buffers)
     # The optimizer step: the model states, the pipeline's receive buffers (kept for the
     # schedule's life) and the step's temporaries (torch's foreach AdamW makes fp32 lists the
     # size of the rank's parameters).

@@ -108,5 +108,13 @@ def _dp_exposed(stage, m, per_mb, comm: dict[str, np.ndarray]) -> np.ndarray:
     stage0 = hide(ar, backward)
     stage1 = hide(rs + rep, backward) + hide(ag, forward)
     stage2 = m * hide(rs, backward) + hide(rep, backward) + hide(ag, forward)
-    stage3 = m * (hide(ag, forward) + hide(ag + rs, backward)) + hide(rep, backward)
+    # ZeRO-3: gathers in forward, then in backward beside the reduce-scatters (both once per
+    # microbatch without a pipeline; `comm.fsdp_calls_per_step`)
+    ag_forward = comm["dp_ag_forward_per_step"]
+    ag_backward = comm["dp_ag_per_step"] - ag_forward
+    n_rs = comm["dp_rs_per_step"]
+    paired = np.minimum(ag_backward, n_rs)
+    stage3 = (ag_forward * hide(ag, forward) + paired * hide(ag + rs, backward)
+              + (ag_backward - paired) * hide(ag, backward) + (n_rs - paired) * hide(rs, backward)
+              + hide(rep, backward))
     return np.select([stage == 0, stage == 1, stage == 2], [stage0, stage1, stage2], stage3)

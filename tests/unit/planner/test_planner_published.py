@@ -124,7 +124,8 @@ def _llama3_405b_row(gpus, cp, dp, seq):
     # tp rank (the paper does not say; torch's stages, the trainer's, send it whole)
     return evaluate_layout(cfg, seq, 16 * 2**20 // seq, layout, get_cluster("h100-80gb"),
                            PlanSettings(pp_scatter_gather=True,
-                                        pp_accumulates_unsharded_grads=False),
+                                        pp_accumulates_unsharded_grads=False,
+                                        pp_reshards_after_forward=False),
                            trainer_rules=False)
 
 
