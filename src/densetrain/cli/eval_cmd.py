@@ -42,15 +42,7 @@ def _load(args: argparse.Namespace):
     from densetrain.eval.loading import load_for_eval
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    try:
-        return load_for_eval(args.model, tokenizer=args.tokenizer, device=args.device,
-                             dtype=dtype)
-    except ValueError as error:
-        # TODO(issue 38): eval/loading.py still raises a plain ValueError for a path that is no
-        # model; drop this once those raise sites are `UserError`s.
-        if type(error) is not ValueError:
-            raise
-        raise UserError(str(error)) from error
+    return load_for_eval(args.model, tokenizer=args.tokenizer, device=args.device, dtype=dtype)
 
 
 def _emit(args: argparse.Namespace, record: dict, lines: list[str]) -> None:

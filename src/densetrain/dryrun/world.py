@@ -12,6 +12,8 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from densetrain.errors import UserError
+
 
 @contextmanager
 def fake_world(world_size: int, rank: int) -> Iterator[None]:
@@ -20,7 +22,7 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if not 0 <= rank < world_size:
-        raise ValueError(
+        raise UserError(
             f"rank {rank} is outside a world of {world_size} ranks (0..{world_size - 1})")
     if dist.is_initialized():
         raise RuntimeError(

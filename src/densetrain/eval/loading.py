@@ -121,7 +121,7 @@ def load_for_eval(
         check_reachable(str(path))
         checkpoint = open_training_checkpoint(str(path))
         if checkpoint is None:
-            raise ValueError(f"{path} holds no training checkpoint (no step-N prefix in it or "
+            raise UserError(f"{path} holds no training checkpoint (no step-N prefix in it or "
                              "in its checkpoints/)")
         explicit = load_tokenizer(tokenizer) if tokenizer else None
         model, found = _load_checkpoint_model(checkpoint, explicit)
@@ -139,12 +139,12 @@ def load_for_eval(
         model = load_model(directory) if is_model_dir(directory) else load_hf(directory)
         found = explicit or _tokenizer_beside(directory)
     else:
-        raise ValueError(
+        raise UserError(
             f"{directory} is not a model directory (no config.json), a training "
             "checkpoint (step-N with manifest.json) or a directory holding one"
         )
     if found is None:
-        raise ValueError(
+        raise UserError(
             f"no tokenizer.json or tokenizer.model beside {directory}; pass --tokenizer PATH"
         )
     return _finish_loading(model, found, directory, device, dtype)

@@ -38,6 +38,7 @@ from densetrain.checkpoint.safe_pickle import (
     safe_reader,
 )
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer
+from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
 from densetrain.models.hf.files import TensorSpec
 
@@ -101,7 +102,7 @@ def _model_dir_source(directory: Path, tokenizer: Tokenizer | None) -> ExportSou
 
     data = read_json(directory / "config.json")
     if "model_type" in data:
-        raise ValueError(
+        raise UserError(
             f"{directory} is already a Hugging Face checkpoint (config.json has model_type="
             f"{data['model_type']!r}); export reads densetrain runs, checkpoints and model "
             "directories"
@@ -128,20 +129,20 @@ def open_source(path: str | os.PathLike, *, tokenizer: str | os.PathLike | None 
         explicit = load_tokenizer(tokenizer) if tokenizer else None
         checkpoint = open_training_checkpoint(str(path))
         if checkpoint is None:
-            raise ValueError(f"{path} holds no training checkpoint (no step-N prefix in it or "
+            raise UserError(f"{path} holds no training checkpoint (no step-N prefix in it or "
                              "in its checkpoints/)")
         source = _checkpoint_source(checkpoint, explicit)
         return dataclasses.replace(source, read=_finite_reader(source))
     directory = Path(path)
     if not directory.is_dir():
-        raise ValueError(f"{directory} is not a directory (a run, checkpoint or model directory)")
+        raise UserError(f"{directory} is not a directory (a run, checkpoint or model directory)")
     explicit = load_tokenizer(tokenizer) if tokenizer else None
     if (directory / "config.json").is_file():
         source = _model_dir_source(directory, explicit)
         return dataclasses.replace(source, read=_finite_reader(source))
     checkpoint = open_training_checkpoint(directory)
     if checkpoint is None:
-        raise ValueError(
+        raise UserError(
             f"{directory} is not a run directory (with checkpoints/), a checkpoint directory, a "
             "complete training checkpoint (step-N with COMPLETE) or a densetrain model directory "
             "(with config.json)"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from densetrain.errors import UserError
 from densetrain.export.sources import ExportSource, open_source
 from densetrain.models.hf.files import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -38,7 +39,7 @@ def _check_stored_tensors(source: ExportSource) -> None:
     misshaped = [f"{n}: config implies {list(expected[n])}, stored {list(found[n])}"
                  for n in wrong]
     if missing or unexpected or misshaped:
-        raise ValueError(
+        raise UserError(
             f"{source.path}: the stored model tensors do not match its config: missing "
             f"{missing[:3] or 'none'}, unexpected {unexpected[:3] or 'none'}, mis-shaped "
             f"{misshaped[:3] or 'none'}"
@@ -49,7 +50,7 @@ def _stored_dtype(source: ExportSource) -> torch.dtype:
     dtypes = {spec.dtype for spec in source.specs.values()}
     if len(dtypes) != 1:
         names = sorted(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(f"{source.path} stores tensors of several dtypes ({', '.join(names)}); "
+        raise UserError(f"{source.path} stores tensors of several dtypes ({', '.join(names)}); "
                          "choose the exported one with --dtype float32, bfloat16 or float16 "
                          "(dtype= in Python)")
     return dtypes.pop()
@@ -60,7 +61,7 @@ def _special_ids(source: ExportSource) -> dict[str, int]:
     if tokenizer is None:
         return {}
     if tokenizer.vocab_size > source.config.vocab_size:
-        raise ValueError(
+        raise UserError(
             f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but the model "
             f"{source.path} only {source.config.vocab_size}: not the model's tokenizer"
         )
@@ -96,7 +97,7 @@ def export_to_hf(
     cfg = source.config
     family = hf_family or cfg.extra.get("hf_family")
     if family is None:
-        raise ValueError(
+        raise UserError(
             f"the model config of {source.path} names no hf_family; pass --family, one of "
             f"{list(SUPPORTED_MODEL_TYPES)}"
         )
@@ -104,7 +105,7 @@ def export_to_hf(
     hf_config = adapter.config_to_hf(cfg)
     _check_stored_tensors(source)
     if with_tokenizer and source.tokenizer is None:
-        raise ValueError(
+        raise UserError(
             f"no tokenizer found for {source.path} (no tokenizer.json beside it); pass "
             "--tokenizer PATH, or --no-tokenizer to export the weights alone"
         )

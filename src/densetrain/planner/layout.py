@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from densetrain.errors import UserError
 from densetrain.parallel.config import ACTIVATION_CHECKPOINTING, PP_SCHEDULES
 from densetrain.parallel.layout_check import INTERLEAVED_SCHEDULES
 from densetrain.values import is_int_at_least
@@ -54,22 +55,22 @@ class Layout:
                      "micro_batch_size"):
             value = getattr(self, name)
             if not is_int_at_least(value, 1):
-                raise ValueError(f"layout.{name} must be a positive integer, got {value!r}")
+                raise UserError(f"layout.{name} must be a positive integer, got {value!r}")
         if self.pp_schedule not in PP_SCHEDULES:
-            raise ValueError(f"layout.pp_schedule must be one of {PP_SCHEDULES}, "
+            raise UserError(f"layout.pp_schedule must be one of {PP_SCHEDULES}, "
                              f"got {self.pp_schedule!r}")
         if self.activation_checkpointing not in AC_POLICIES:
-            raise ValueError(f"layout.activation_checkpointing must be one of {AC_POLICIES}, "
+            raise UserError(f"layout.activation_checkpointing must be one of {AC_POLICIES}, "
                              f"got {self.activation_checkpointing!r}")
         if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"layout.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+            raise UserError(f"layout.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.zero_stage == 0 and self.dp_shard != 1:
-            raise ValueError("layout.zero_stage=0 (plain data parallel) needs dp_shard=1")
+            raise UserError("layout.zero_stage=0 (plain data parallel) needs dp_shard=1")
         if self.pp_virtual_stages > 1 and self.pp_schedule not in INTERLEAVED_SCHEDULES:
-            raise ValueError(f"layout.pp_virtual_stages > 1 needs an interleaved pp_schedule "
+            raise UserError(f"layout.pp_virtual_stages > 1 needs an interleaved pp_schedule "
                              f"{INTERLEAVED_SCHEDULES}")
         if self.sequence_parallel and self.tp == 1:
-            raise ValueError("layout.sequence_parallel needs tp > 1")
+            raise UserError("layout.sequence_parallel needs tp > 1")
 
     @property
     def dp(self) -> int:
@@ -85,7 +86,7 @@ class Layout:
         """Microbatches per step per data-parallel rank; ``ValueError`` if they do not divide."""
         per_step = self.dp * self.micro_batch_size
         if global_batch % per_step:
-            raise ValueError(
+            raise UserError(
                 f"global batch {global_batch} is not a multiple of dp ({self.dp}) x "
                 f"micro_batch_size ({self.micro_batch_size})"
             )
@@ -216,17 +217,17 @@ class PlanSettings:
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, "
+            raise UserError(f"precision must be one of {sorted(PRECISIONS)}, "
                              f"got {self.precision!r}")
         if self.compute_efficiency is not None and not 0 < self.compute_efficiency <= 1:
-            raise ValueError(f"compute_efficiency must be in (0, 1], got {self.compute_efficiency}")
+            raise UserError(f"compute_efficiency must be in (0, 1], got {self.compute_efficiency}")
         if not 0 <= self.tp_overlap <= 1:
-            raise ValueError(f"tp_overlap must be in [0, 1], got {self.tp_overlap}")
+            raise UserError(f"tp_overlap must be in [0, 1], got {self.tp_overlap}")
         if not 0 < self.usable_memory_fraction <= 1:
-            raise ValueError("usable_memory_fraction must be in (0, 1], "
+            raise UserError("usable_memory_fraction must be in (0, 1], "
                              f"got {self.usable_memory_fraction}")
         if self.workspace_gb < 0:
-            raise ValueError(f"workspace_gb must be >= 0, got {self.workspace_gb}")
+            raise UserError(f"workspace_gb must be >= 0, got {self.workspace_gb}")
 
     @property
     def bytes_per_param(self) -> tuple[int, int, int, int]:
