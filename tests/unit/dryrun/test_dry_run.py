@@ -295,11 +295,16 @@ def test_llama3_405b_first_stage_meets_the_planner():
     parameters; before the planner counted torch's per-microbatch receive buffers, the held
     stage outputs and the stage's parameters gathered through the step it said 139.3 of
     170.2)."""
-    report = _dry_run(str(ROOT / "configs" / "llama3-405b.toml"), [], 8192, 0)
+    config = str(ROOT / "configs" / "llama3-405b.toml")
+    report = _dry_run(config, [], 8192, 0)
     assert report.coordinates == {"pp": 0, "dp_shard": 0, "tp": 0}
+    shapes = _shapes("llama3-405b")
+    held = [n for n in shapes if n.startswith(tuple(f"layers.{i}." for i in range(8)))
+            or n == "tok_embeddings.weight"]
+    _assert_model_states(report, sum(_share(shapes[n], n, (8, 0), (64, 0)) for n in held))
     _assert_receive_buffers(report, 32, 1, 8192, 16384)
-    _assert_planner_within(report, str(ROOT / "configs" / "llama3-405b.toml"), [], 8192, 0.10,
-                           pp_rank=0)
+    _assert_planner_within(report, config, [], 8192, 0.10, pp_rank=0)
+    _assert_comm_within(report, config, [], 8192, {"tp", "pp", "dp"})
 
 
 @pytest.mark.slow
