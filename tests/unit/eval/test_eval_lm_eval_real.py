@@ -19,7 +19,7 @@ pytest.importorskip("accelerate")  # the harness's hf backend imports it
 from densetrain.checkpoint import ModelState, save_checkpoint  # noqa: E402
 from densetrain.cli.main import main  # noqa: E402
 from densetrain.config import default_job_config, job_config_to_toml  # noqa: E402
-from densetrain.eval.lm_eval_adapter import harness_task_manager, make_lm_eval_model  # noqa: E402
+from densetrain.eval.lm_eval_adapter import make_lm_eval_model  # noqa: E402
 from densetrain.eval.loading import load_for_eval  # noqa: E402
 from densetrain.models import Transformer  # noqa: E402
 
@@ -34,6 +34,17 @@ CHOICE_ROWS = [
 ]
 ROLLING_ROWS = ["x = 1\n", "value = compute(x)\n" * 12, "def f():\n    return None\n"]
 UNTIL_ROWS = ["def f(x):\n", "import ", "class A:\n    def", "if __name__ =="]
+
+# Tolerance against the hf backend. Both sides run the same float32 weights on the CPU; they differ
+# only in the order of float32 sums (densetrain's blocks and SDPA against transformers' Llama, and
+# different batch padding), so a log-likelihood, a sum of ~1e2-1e3 float32 log-probs, agrees to
+# ~1e-7 relative (measured: 1.2e-7 worst on a choice, 7e-8 on a rolling text, i.e. 7e-5 absolute
+# on its -2302). Metrics that exponentiate a sum magnify its absolute error: word_perplexity =
+# exp(-LL / words) differs by ~2e-6 relative. rel=1e-5 covers both with a 5x margin and still
+# fails on any real difference (a shifted token, a missing prefix token, another window: >1e-2).
+# Accuracies and greedy generations are compared exactly: the output layer is sharpened so that
+# no choice and no argmax is within float32 noise of a tie.
+LL_REL = 1e-5
 
 
 def _write_tasks(directory) -> None:
@@ -66,10 +77,22 @@ def _write_tasks(directory) -> None:
 
 @pytest.fixture(scope="module")
 def offline(tmp_path_factory):
+    """No network and no writes to ~/.cache: the HF_* variables for anything started from here,
+    and the constants `huggingface_hub` and `datasets` read from them when imported (which may
+    have happened before this fixture ran: collecting other tests imports transformers)."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    cache = tmp_path_factory.mktemp("hf-datasets")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HF_DATASETS_OFFLINE", "1")
         patch.setenv("HF_HUB_OFFLINE", "1")
-        patch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-datasets")))
+        patch.setenv("HF_DATASETS_CACHE", str(cache))
+        patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        patch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+        patch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+        patch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+        assert huggingface_hub.constants.is_offline_mode()
         yield
 
 
@@ -107,7 +130,11 @@ def task_dir(tmp_path_factory):
 def both(run_and_export, task_dir, tokenizer):
     """simple_evaluate outputs (densetrain adapter, harness hf backend) on the three tasks."""
     run, export = run_and_export
-    manager = harness_task_manager(task_dir)
+    # Only the tasks under task_dir: indexing the harness's ~15k built-in tasks takes seconds
+    # (harness_task_manager, which adds them, runs in the CLI tests below).
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(task_dir), include_defaults=False)
     model, loaded_tokenizer = load_for_eval(run, device="cpu")
     ours = lm_eval.simple_evaluate(
         model=make_lm_eval_model(model, loaded_tokenizer, batch_size=4), tasks=TASKS,
@@ -137,10 +164,10 @@ def test_loglikelihoods_equal_the_hf_backend_request_by_request(both, task):
         assert doc == hf_doc and len(our_resps) == len(hf_resps)
         for mine, theirs in zip(our_resps, hf_resps, strict=True):
             if task == "dt_choice":  # [(log-likelihood, is_greedy)]
-                assert mine[0][0] == pytest.approx(theirs[0][0], rel=1e-4), (doc, mine, theirs)
+                assert mine[0][0] == pytest.approx(theirs[0][0], rel=LL_REL), (doc, mine, theirs)
                 assert bool(mine[0][1]) == bool(theirs[0][1])
             else:  # [log-likelihood of the whole text]
-                assert mine[0] == pytest.approx(theirs[0], rel=1e-4), (doc, mine, theirs)
+                assert mine[0] == pytest.approx(theirs[0], rel=LL_REL), (doc, mine, theirs)
 
 
 def test_greedy_generations_equal_the_hf_backend_exactly(both):
@@ -158,7 +185,7 @@ def test_metrics_equal_the_hf_backend(both):
         assert set(our_metrics) == set(hf_metrics)
         for key, value in hf_metrics.items():
             if isinstance(value, float) and math.isfinite(value):
-                rel = 0 if task == "dt_until" or key.startswith("acc") else 1e-4
+                rel = 0 if task == "dt_until" or key.startswith("acc") else LL_REL
                 assert our_metrics[key] == pytest.approx(value, rel=rel, abs=0), (task, key)
             else:
                 assert our_metrics[key] == value, (task, key)
