@@ -262,6 +262,7 @@ def run_pipeline_layout(rank: int, world: int, layout: dict, steps: int = STEPS)
     norm as ``grad_norms``). With tied embeddings ``tied_copies`` holds every stage's full copy
     of the embedding matrix after training (the first stage's and the last stage's)."""
     from densetrain.optim.clipping import clip_grad_norm_
+    from densetrain.parallel.layout_check import pipeline_microbatches
     from densetrain.parallel.pipeline import build_pipeline
 
     layout = dict(layout)
@@ -270,11 +271,12 @@ def run_pipeline_layout(rank: int, world: int, layout: dict, steps: int = STEPS)
     cfg = ParallelConfig(**layout)
     dims = ParallelDims.from_config(cfg, world)
     local = dims.local_batch_size(GLOBAL_BATCH)
-    require_runnable(cfg, model_cfg, dims, micro_batch_size=local // cfg.num_microbatches)
+    microbatches = pipeline_microbatches(cfg.pp_microbatches, cfg.pp, local, 0)
+    require_runnable(cfg, model_cfg, dims, micro_batch_size=local // microbatches)
     pmesh = dims.build_mesh("cpu")
     pipe = build_pipeline(
-        lambda: _meta_model(model_cfg), pmesh, cfg,
-        num_layers=model_cfg.num_layers, init_seed=SEED, device=torch.device("cpu"),
+        lambda: _meta_model(model_cfg), pmesh, cfg, num_layers=model_cfg.num_layers,
+        microbatches=microbatches, init_seed=SEED, device=torch.device("cpu"),
     )
     params = [p for m in pipe.modules for p in m.parameters()]
     opt = adamw(params)

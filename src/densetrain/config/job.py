@@ -158,6 +158,7 @@ class JobConfig:
         setting; a fixed ``micro_batch_size`` is still the way to bound activation memory.
         """
         from densetrain.config.rules import _resolve_global_batch
+        from densetrain.parallel.layout_check import pipeline_microbatches
 
         _resolve_global_batch(self)
         global_batch = self.training.global_batch_size
@@ -168,7 +169,7 @@ class JobConfig:
                 f"data-parallel size {dp_size}; choose a multiple of {dp_size}"
             )
         par = self.parallel
-        pieces = par.pp_microbatches or (par.pp if par.pp > 1 else 1)
+        pieces = pipeline_microbatches(par.pp_microbatches, par.pp, local, 0)
         if local % pieces:
             raise UserError(
                 f"the rank's batch of {local} sequences (training.global_batch_size="

@@ -8,7 +8,6 @@ weights; with pp > 1 the same per stage (`parallel.pipeline.build_pipeline`) und
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from densetrain.models.config import ModelConfig
+from densetrain.parallel import layout_check
 from densetrain.parallel.config import ParallelConfig
 from densetrain.parallel.float8 import convert_blocks_to_float8
 from densetrain.parallel.layout_check import RunShape, require
@@ -27,9 +27,8 @@ from densetrain.parallel.model import LaidOutModel, model_loss_fn
 
 def pipeline_microbatches(cfg: ParallelConfig, dims: ParallelDims, *, local_batch_size: int,
                           micro_batch_size: int) -> int:
-    """Pipeline microbatches per step: ``parallel.pp_microbatches``, or when 0 the rank's batch
-    over ``training.micro_batch_size`` (so a microbatch has the usual number of sequences).
-    Raises ``ValueError`` (the pipeline rules of ``parallel.layout_check``) when they do not
+    """Pipeline microbatches per step (`layout_check.pipeline_microbatches`). Raises
+    ``UserError`` (the pipeline rules of ``parallel.layout_check``) when they do not
     split the batch or fill the pipeline."""
     fields = SimpleNamespace(pp=dims.pp, dp=dims.dp_size, pp_schedule=cfg.pp_schedule,
                              pp_microbatches=cfg.pp_microbatches,
@@ -38,7 +37,8 @@ def pipeline_microbatches(cfg: ParallelConfig, dims: ParallelDims, *, local_batc
                    world_size=dims.world_size)
     require(("batch_splits", "pp_microbatches_divide_batch", "pp_microbatches_fill_pipeline",
              "pp_interleaved_rounds"), fields, run=run)
-    return cfg.pp_microbatches or local_batch_size // micro_batch_size
+    return int(layout_check.pipeline_microbatches(cfg.pp_microbatches, dims.pp, local_batch_size,
+                                                  micro_batch_size))
 
 
 def build_model(
@@ -120,7 +120,7 @@ def _build_pipelined(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, pmesh
         raise ValueError("pipeline parallel needs the rank's batch and micro-batch sizes")
     count = pipeline_microbatches(parallel_cfg, dims, local_batch_size=local_batch_size,
                                   micro_batch_size=micro_batch_size)
-    cfg = dataclasses.replace(parallel_cfg, pp_microbatches=count)
+    cfg = parallel_cfg
     if dist.get_rank() == 0:
         print(f"pipeline: {dims.pp} stages x {cfg.pp_virtual_stages} virtual, schedule "
               f"{cfg.pp_schedule}, {count} microbatches; bubble fraction (p-1)/(v*m+p-1) = "
@@ -135,7 +135,8 @@ def _build_pipelined(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, pmesh
         return convert_blocks_to_float8(stage, float8_recipe) if float8_recipe else stage
 
     pipeline = build_pipeline(make_stage, pmesh, cfg, num_layers=model_cfg.num_layers,
-                              init_seed=seed, device=device, materialize=materialize,
+                              microbatches=count, init_seed=seed, device=device,
+                              materialize=materialize,
                               loss_chunk_size=loss_chunk_size, gather_dtype=gather_dtype)
     return LaidOutModel(module=PipelinedModel(pipeline), pmesh=pmesh, pipeline=pipeline,
                         ignore_index=model_cfg.ignore_index)

@@ -129,8 +129,3 @@ class ParallelConfig:
             raise UserError(
                 f"parallel.collective_timeout_s must be > 0, got {self.collective_timeout_s!r}"
             )
-
-    @property
-    def num_microbatches(self) -> int:
-        """Microbatches per step for the pipeline (``pp_microbatches`` or, when 0, ``pp``)."""
-        return self.pp_microbatches or self.pp

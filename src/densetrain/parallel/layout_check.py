@@ -41,6 +41,7 @@ and where each comes from:
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -94,11 +95,57 @@ def _one_of(value: Any, names: tuple[str, ...]) -> Any:
     return out
 
 
+class DataParallelKind(str, enum.Enum):
+    """How a layout synchronises gradients over its data-parallel ranks."""
+
+    NONE = "none"
+    DDP = "ddp"
+    ZERO12 = "zero12"  # ZeRO-1/2: optimizer state (and gradients) sharded, parameters whole
+    FSDP = "fsdp"
+    HSDP = "hsdp"
+
+    @classmethod
+    def of(cls, *, dp_replicate: int, fsdp_size: int, zero_stage: int) -> DataParallelKind:
+        """The kind of a layout with these degrees (``fsdp_size``: the sharding group's size,
+        dp_shard x cp) and ZeRO stage."""
+        if fsdp_size == 1:
+            return cls.NONE if dp_replicate == 1 else cls.DDP
+        if zero_stage < 3:
+            return cls.ZERO12
+        return cls.HSDP if dp_replicate > 1 else cls.FSDP
+
+    @property
+    def replica_axis(self) -> str | None:
+        """The mesh axis whose ranks hold identical parameters, or None."""
+        return {"ddp": "dp_replicate", "hsdp": "dp_replicate", "zero12": "dp_shard"}.get(
+            self.value)
+
+
+def pipeline_microbatches(pp_microbatches: Any, pp: Any, local_batch: Any,
+                          micro_batch_size: Any) -> Any:
+    """Pipeline microbatches per step, the one statement of the default: ``pp_microbatches``
+    when set (> 0); else the rank's batch over ``micro_batch_size`` (so a microbatch holds the
+    usual number of sequences); else, while the micro-batch size is still to be derived
+    (``micro_batch_size = 0``), ``pp`` (at least two microbatches fill a two-stage pipeline).
+    Elementwise on numpy columns."""
+    by_micro = local_batch // _select(micro_batch_size > 0, micro_batch_size, 1)
+    default = _select(micro_batch_size > 0, by_micro, pp)
+    return _select(pp_microbatches > 0, pp_microbatches, default)
+
+
+def kv_split(num_kv_heads: Any, tp: Any) -> Any:
+    """The ways tensor parallelism splits the kv heads, and with them the k and v projections
+    and their outputs: ``tp`` when it divides them, else 1. With fewer kv heads than tp ranks
+    (tp a multiple of them, rule ``tp_and_kv_heads``) every rank keeps the whole projections,
+    computes all of their outputs and keeps its own head's columns (``parallel.tensor``), so
+    the parameters, FLOPs and activations are those of no split. Elementwise on columns."""
+    return _select(num_kv_heads % tp == 0, tp, 1)
+
+
 def _microbatches(f: Any, r: RunShape) -> Any:
-    """Pipeline microbatches per step as the trainer counts them (``pp_microbatches`` or the
-    rank's batch over ``micro_batch_size``), at least 1 so that it can be divided by."""
+    """`pipeline_microbatches` of a layout, at least 1 so that it can be divided by."""
     local = r.global_batch_size // f.dp
-    count = _select(f.pp_microbatches > 0, f.pp_microbatches, local // f.micro_batch_size)
+    count = pipeline_microbatches(f.pp_microbatches, f.pp, local, f.micro_batch_size)
     return _select(count > 0, count, 1)
 
 
@@ -392,11 +439,17 @@ def require(names: tuple[str, ...], fields: Any, model: Any = None,
     """Raise ``UserError`` with the reason of the first rule in ``names`` that ``fields``
     breaks: the runtime guard of a builder that is handed only part of a layout (its own
     degrees and options), stated by the same rules as `check_layout`."""
+    reasons = rule_reasons(names, fields, model, run)
+    if reasons:
+        raise UserError(reasons[0])
+
+
+def rule_reasons(names: tuple[str, ...], fields: Any, model: Any = None,
+                 run: RunShape | None = None) -> list[str]:
+    """The reasons of the rules in ``names`` (in that order) that ``fields`` breaks."""
     by_name = {rule.name: rule for rule in RULES}
-    for name in names:
-        rule = by_name[name]
-        if rule.violated(fields, model, run):
-            raise UserError(rule.reason(fields, model, run))
+    return [by_name[name].reason(fields, model, run) for name in names
+            if by_name[name].violated(fields, model, run)]
 
 
 def runnable_mask(columns: Mapping[str, Any], model: Any, run: RunShape) -> Any:

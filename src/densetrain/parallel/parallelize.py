@@ -17,13 +17,14 @@ from densetrain.optim.interface import StandardOptimizer, TrainingOptimizer
 from densetrain.parallel.checkpointing import apply_activation_checkpointing
 from densetrain.parallel.compile import apply_compile
 from densetrain.parallel.config import ParallelConfig
+from densetrain.parallel.layout_check import DataParallelKind
 from densetrain.parallel.mesh import ParallelDims, ParallelMesh
 
 
-def data_parallel_kind(dims: ParallelDims, cfg: ParallelConfig) -> str:
-    """How gradients are synchronised: "none", "ddp", "zero12" (ZeRO-1/2), "fsdp" or "hsdp".
+def data_parallel_kind(dims: ParallelDims, cfg: ParallelConfig) -> DataParallelKind:
+    """How gradients are synchronised (`layout_check.DataParallelKind`).
 
-    Raises ``ValueError`` (the data-parallel rules of ``parallel.layout_check``) for a
+    Raises ``UserError`` (the data-parallel rules of ``parallel.layout_check``) for a
     combination the trainer does not compose, so a direct caller cannot get one silently."""
     from types import SimpleNamespace
 
@@ -32,11 +33,8 @@ def data_parallel_kind(dims: ParallelDims, cfg: ParallelConfig) -> str:
     fields = SimpleNamespace(dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=dims.cp,
                              tp=dims.tp, pp=dims.pp, zero_stage=cfg.zero_stage)
     require(("ddp_without_tp_pp", "zero12_pure_dp"), fields)
-    if dims.fsdp_size == 1:
-        return "none" if dims.dp_replicate == 1 else "ddp"
-    if cfg.zero_stage < 3:
-        return "zero12"
-    return "hsdp" if dims.dp_replicate > 1 else "fsdp"
+    return DataParallelKind.of(dp_replicate=dims.dp_replicate, fsdp_size=dims.fsdp_size,
+                               zero_stage=cfg.zero_stage)
 
 
 def parallelize(
@@ -64,17 +62,17 @@ def parallelize(
     if compile:
         apply_compile(model)
     kind = data_parallel_kind(dims, cfg)
-    if kind in ("fsdp", "hsdp"):
+    if kind in (DataParallelKind.FSDP, DataParallelKind.HSDP):
         from densetrain.parallel.fsdp import apply_fsdp
 
         shard_axis = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
-        if kind == "hsdp":
+        if kind is DataParallelKind.HSDP:
             names = ["dp_replicate", shard_axis] if dims.fsdp_size > 1 else ["dp_replicate"]
             dp_mesh = pmesh.device_mesh[tuple(names)]
         else:
             dp_mesh = pmesh.submesh(shard_axis)
         apply_fsdp(model, dp_mesh, cpu_offload=cfg.cpu_offload, param_dtype=gather_dtype)
-    elif kind == "ddp":
+    elif kind is DataParallelKind.DDP:
         from densetrain.parallel.ddp import apply_ddp
 
         apply_ddp(model, pmesh.submesh("dp_replicate"))
@@ -103,7 +101,7 @@ def build_optimizer(
     over its parameters, or for ZeRO-1/2 a ``ZeroOptimizer`` that runs it on this rank's chunks.
     Pipeline stages sum their gradient norms over the pp group."""
     groups = param_groups if param_groups is not None else list(module.parameters())
-    if data_parallel_kind(pmesh.dims, cfg) == "zero12":
+    if data_parallel_kind(pmesh.dims, cfg) is DataParallelKind.ZERO12:
         from densetrain.parallel.zero import ZeroOptimizer
 
         return ZeroOptimizer(groups, optimizer_factory, group=pmesh.group("dp_shard"),

@@ -237,13 +237,15 @@ def build_pipeline(
     cfg: ParallelConfig,
     *,
     num_layers: int,
+    microbatches: int,
     init_seed: int,
     device: torch.device,
     materialize: Callable[[], AbstractContextManager] = nullcontext,
     loss_chunk_size: int | None = None,
     gather_dtype: torch.dtype | None = None,
 ) -> Pipeline:
-    """Build this rank's stages and the schedule. ``model_factory`` returns the whole model on
+    """Build this rank's stages and the schedule over ``microbatches`` per step
+    (`build.pipeline_microbatches`). ``model_factory`` returns the whole model on
     the meta device; each stage keeps its ``num_layers`` share, is parallelized, and only then
     materialised on ``device`` and initialised (inside ``materialize()``: `build_model`), so a
     rank allocates its own stages alone."""
@@ -280,7 +282,6 @@ def build_pipeline(
                 mark_counted_elsewhere(weight)
         modules.append(module)
     tied_group = tied_embedding_group(pmesh) if modules[0].config.tie_embeddings else None
-    microbatches = cfg.num_microbatches
     schedule = make_schedule(modules, stage_ids, num_stages, pmesh, cfg, stage_loss,
                              microbatches=microbatches, device=device)
     return Pipeline(schedule=schedule, modules=modules, stage_ids=stage_ids, num_stages=num_stages,

@@ -47,6 +47,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from densetrain.models.transformer import TiedOutput
+from densetrain.parallel.layout_check import kv_split
 
 
 def _attention_plan(attn: nn.Module, tp: int, sequence_parallel: bool) -> dict:
@@ -54,7 +55,7 @@ def _attention_plan(attn: nn.Module, tp: int, sequence_parallel: bool) -> dict:
         "attn.wq": ColwiseParallel(),
         "attn.wo": RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate()),
     }
-    kv_sharded = attn.num_kv_heads % tp == 0
+    kv_sharded = kv_split(attn.num_kv_heads, tp) == tp
     for name in ("attn.wk", "attn.wv"):
         plan[name] = (
             ColwiseParallel() if kv_sharded else _ReplicatedKV(attn.num_kv_heads, attn.head_dim, tp)

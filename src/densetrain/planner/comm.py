@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from densetrain.models.config import ModelConfig
+from densetrain.parallel.layout_check import kv_split
 from densetrain.planner.hardware import ClusterSpec
 from densetrain.planner.layout import AC_POLICIES, LayoutColumns, PlanSettings
 
@@ -79,7 +80,7 @@ def comm_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, settings: 
     out["tp_bytes"] = n_tp * ring_factor(tp, "all_reduce") * act
     out["tp_s"] = out["tp_bytes"] / bw + n_tp * lat * 2 * np.ceil(np.log2(np.maximum(tp, 2)))
 
-    kv_local = cfg.kv_dim / np.where(cfg.num_kv_heads % tp == 0, tp, 1.0)
+    kv_local = cfg.kv_dim / kv_split(cfg.num_kv_heads, tp)
     kv_chunk = 2 * cols.micro_batch_size * (seq_len / cp) * kv_local * e
     passes = np.where(cols.activation_checkpointing == _FULL, 4.0, 3.0)
     out["cp_bytes"] = layers * m * passes * (cp - 1) * kv_chunk

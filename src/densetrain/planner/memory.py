@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from densetrain.models.config import ModelConfig
+from densetrain.parallel.layout_check import kv_split
 from densetrain.planner.layout import AC_POLICIES, PP_SCHEDULES, LayoutColumns, PlanSettings
 from densetrain.planner.params import sharded_params
 
@@ -73,8 +74,8 @@ def layer_activation_bytes(cfg: ModelConfig, *, seq_len, micro_batch, tp, sequen
     replicated = sbh * (e * (num_norms + num_linear_inputs) + 2 * mask)
     # Split by tp: q and k (for QK^T), v, the wo input, the mlp activation's inputs/outputs.
     sb = s * b
-    kv_split = np.where(cfg.num_kv_heads % t == 0, t, 1.0)
-    sharded = sb * e * (2 * cfg.q_dim) / t + sb * e * 2 * cfg.kv_dim / kv_split
+    kv_ways = kv_split(cfg.num_kv_heads, t)
+    sharded = sb * e * (2 * cfg.q_dim) / t + sb * e * 2 * cfg.kv_dim / kv_ways
     # gelu/relu: activation input and output; swiglu: gate, silu(gate), up, and their product.
     mlp_tensors = 4 if cfg.activation == "swiglu" else 2
     sharded = sharded + sb * e * mlp_tensors * cfg.ffn_dim / t
@@ -94,13 +95,13 @@ def layer_activation_bytes(cfg: ModelConfig, *, seq_len, micro_batch, tp, sequen
     stream = e if stream_bytes is None else stream_bytes
     layer_input = np.where(sp, stream * sbh / t, stream * sbh)
     if selective_keeps_matmul_outputs:
-        kept = selective_matmul_bytes(cfg, s=s, b=b, t=t, e=e, kv_split=kv_split,
+        kept = selective_matmul_bytes(cfg, s=s, b=b, t=t, e=e, kv_ways=kv_ways,
                                       flash_attention=flash_attention)
         stored = np.where(policy == AC_SELECTIVE, layer_input + kept, stored)
     return np.where(policy == AC_FULL, layer_input, stored)
 
 
-def selective_matmul_bytes(cfg: ModelConfig, *, s, b, t, e, kv_split, flash_attention=True):
+def selective_matmul_bytes(cfg: ModelConfig, *, s, b, t, e, kv_ways, flash_attention=True):
     """What the trainer's ``selective`` policy (`parallel.checkpointing`: torch's selective
     checkpoint keeping every matmul and attention output, recomputing the rest) stores per layer
     beyond the layer's input: q, k and v; the attention output and its fp32 log-sum-exp per
@@ -110,7 +111,7 @@ def selective_matmul_bytes(cfg: ModelConfig, *, s, b, t, e, kv_split, flash_atte
     attention scores (a batched matmul's output, s x s per head) are kept in place of the
     log-sum-exp. Measured against the dry run of Llama 3 8B (docs/planner.md)."""
     sb = s * b
-    attention = sb * e * (2 * cfg.q_dim / t + 2 * cfg.kv_dim / kv_split)
+    attention = sb * e * (2 * cfg.q_dim / t + 2 * cfg.kv_dim / kv_ways)
     core = cfg.num_heads * sb * (4.0 if flash_attention else s * e) / t
     attention = attention + core
     up = (2 if cfg.activation == "swiglu" else 1) * sb * e * cfg.ffn_dim / t

@@ -36,6 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from densetrain.models.config import ModelConfig
+from densetrain.parallel.layout_check import kv_split
 from densetrain.planner.compute import early_stop_skips_down
 from densetrain.planner.hardware import ClusterSpec
 from densetrain.planner.layout import AC_POLICIES, LayoutColumns, PlanSettings
@@ -57,7 +58,7 @@ def gemm_seconds(m, n, k, cluster: ClusterSpec, bytes_per_element: int = 2,
 
 def _layer_gemms(cfg: ModelConfig, tokens, tp, cluster: ClusterSpec, eff):
     """(all of a layer's GEMMs, the MLP's down projection among them) forward seconds."""
-    kv_local = cfg.kv_dim / np.where(cfg.num_kv_heads % tp == 0, tp, tp / cfg.num_kv_heads * 1.0)
+    kv_local = cfg.kv_dim / kv_split(cfg.num_kv_heads, np.asarray(tp))
     num_up = 2 if cfg.activation == "swiglu" else 1
     qkv = gemm_seconds(tokens, cfg.q_dim / tp + 2 * kv_local, cfg.dim, cluster, efficiency=eff)
     wo = gemm_seconds(tokens, cfg.dim, cfg.q_dim / tp, cluster, efficiency=eff)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
-from densetrain.parallel.layout_check import RULES
+from densetrain.parallel.layout_check import kv_split, rule_reasons
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,11 +64,8 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> str | None:
     ``parallel.layout_check``), or None when it can."""
     if tp < 1:
         return f"tp must be >= 1, got {tp}"
-    layout = SimpleNamespace(tp=tp)
-    for rule in RULES:
-        if rule.name in _TP_RULES and rule.violated(layout, cfg, None):
-            return rule.reason(layout, cfg, None)
-    return None
+    reasons = rule_reasons(_TP_RULES, SimpleNamespace(tp=tp), cfg)
+    return reasons[0] if reasons else None
 
 
 def _norm(cfg: ModelConfig, width: int) -> int:
@@ -81,10 +78,10 @@ def sharded_params(cfg: ModelConfig, tp: int) -> ShardedParams:
     if problem:
         raise UserError(problem)
     dim, kv_dim, q_dim, ffn = cfg.dim, cfg.kv_dim, cfg.q_dim, cfg.ffn_dim
-    kv_split = tp if cfg.num_kv_heads % tp == 0 else 1  # GQA with fewer kv heads: replicated
+    kv_ways = kv_split(cfg.num_kv_heads, tp)  # GQA with fewer kv heads than tp: replicated
     qkv_bias = 1 if cfg.qkv_bias else 0
     attn = (q_dim * dim + qkv_bias * q_dim) // tp
-    attn += 2 * (kv_dim * dim + qkv_bias * kv_dim) // kv_split
+    attn += 2 * (kv_dim * dim + qkv_bias * kv_dim) // kv_ways
     attn += dim * q_dim // tp + (dim if cfg.attn_out_bias else 0)
     if cfg.qk_norm:
         attn += 2 * cfg.head_dim

@@ -48,8 +48,7 @@ def checksums(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], tor
 
 def replica_axis(pmesh: ParallelMesh, cfg: ParallelConfig) -> str | None:
     """The mesh axis whose ranks hold identical parameters in this layout, or None."""
-    kind = data_parallel_kind(pmesh.dims, cfg)
-    return {"ddp": "dp_replicate", "hsdp": "dp_replicate", "zero12": "dp_shard"}.get(kind)
+    return data_parallel_kind(pmesh.dims, cfg).replica_axis
 
 
 def disagreeing(values: list[int]) -> list[int]:
