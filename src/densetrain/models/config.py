@@ -1,7 +1,9 @@
 """`ModelConfig`: every architectural switch of the dense decoder, validated on construction.
 
 One configurable decoder covers GPT-2/3, OPT, BLOOM, GPT-NeoX, LLaMA 1/2/3, Mistral, Qwen3, PaLM,
-Gopher/Chinchilla and phi-1; the families differ only by the values of these fields.
+Gopher/Chinchilla and phi-1; the families differ only by the values of these fields. Sizes
+left ``None`` are derived on construction and derived again by ``replace()``; a bad value raises
+``ValueError`` naming the field.
 """
 
 from __future__ import annotations

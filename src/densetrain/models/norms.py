@@ -2,7 +2,7 @@
 
 Both are thin wrappers over PyTorch's own modules so that the fused kernels are used and the
 parameter names are ``weight`` (and ``bias`` for LayerNorm with a bias), as the parameter-name
-table in docs/architecture.md expects.
+table in models/transformer.py expects.
 """
 
 from __future__ import annotations

@@ -1,7 +1,35 @@
 """The dense decoder-only ``Transformer``: one configurable module for every supported family.
 
-Parameter names follow the table in docs/architecture.md (HF interop, tensor-parallel plans and
-checkpoints rely on them). ``layers`` is an ``nn.ModuleDict`` keyed "0".."L-1"; a pipeline split
+Parameter names are the contract HF interop, tensor-parallel plans and checkpoints rely on:
+
+| name | shape | when |
+|---|---|---|
+| ``tok_embeddings.weight`` | [padded_vocab, embed_dim] | always |
+| ``pos_embeddings.weight`` | [max_seq_len + learned_pos_offset, dim] | learned positions |
+| ``embed_norm.weight/.bias`` | [dim] | BLOOM-style embedding norm |
+| ``project_in.weight``, ``project_out.weight`` | [dim, E], [E, dim] | embed_dim ≠ dim |
+| ``layers.{i}.attn_norm.weight/.bias`` | [dim] | always (the shared norm of PaLM-style blocks) |
+| ``layers.{i}.attn.wq/.wk/.wv.weight/.bias`` | [q_dim or kv_dim, dim] | bias if qkv_bias |
+| ``layers.{i}.attn.wo.weight/.bias`` | [dim, q_dim] | bias if attn_out_bias |
+| ``layers.{i}.attn.q_norm.weight``, ``k_norm.weight`` | [head_dim] | qk_norm |
+| ``layers.{i}.attn.relative.pos_proj.weight`` | [q_dim, dim] | relative_xl (W_R) |
+| ``layers.{i}.attn.relative.content_bias.bias``, ``.position_bias.bias`` | [q_dim] | (u, v) |
+| ``layers.{i}.mlp_norm.weight/.bias`` | [dim] | sequential, or parallel with two norms |
+| ``layers.{i}.mlp.w_up/w_down/w_gate.weight/.bias`` | up, gate [F, D]; down [D, F] | gate: SwiGLU |
+| ``norm.weight/.bias`` | [dim] | final_norm |
+| ``output.weight`` (``.bias``) | [padded_vocab, embed_dim] | untied (bias if lm_head_bias) |
+
+``forward(tokens_BS, *, targets_BS=None, ...)`` returns logits_BSV or, with ``targets_BS``, the
+``LossOutput`` of ``loss_head`` (the chunked output projection + cross-entropy with
+``loss_chunk_size``, never the full logits); the loss is part of ``forward`` so that FSDP2 and
+DDP hooks see it. The model never looks at its layout: ``densetrain.parallel`` sets its public
+strategy points, ``Transformer.loss_head`` (a ``LossHead``), ``Transformer.compile_loss_kernel``
+and ``Attention.attention_fn`` (an ``AttentionFn``; default ``scaled_dot_product``).
+``init_weights(seed, *, write=None)`` gives each value of a parameter from (seed, name, its index
+in the full tensor) (``models/init.py``), so every layout and pipeline stage starts
+bit-identical; a parallelised model passes a ``write`` that draws only the rank's own shard.
+
+``layers`` is an ``nn.ModuleDict`` keyed "0".."L-1"; a pipeline split
 may delete layers and set ``tok_embeddings``, ``norm`` and ``output`` to None, and forward skips
 what is missing (a stage that does not embed tokens, ``embeds_tokens`` False, takes hidden states
 [B, S, D]; one without ``output`` returns hidden states). The last stage of a tied model keeps

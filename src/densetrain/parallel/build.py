@@ -4,6 +4,24 @@ Meta-device build → `parallelize` (TP/SP → CP → activation checkpointing �
 → materialise on the device → seeded `init_weights`, so every layout starts from bit-identical
 weights; with pp > 1 the same per stage (`parallel.pipeline.build_pipeline`) under one
 `PipelinedModel`. The result is a `LaidOutModel`, the interface the trainer uses for every layout.
+
+The model is laid out before anything is allocated. Without pipeline parallelism the whole
+`Transformer` is built on the meta device, its blocks' linear layers converted to float8 when
+asked (`parallel.float8`), `parallelize`d, and only then materialised (``to_empty``) and
+initialised. With ``pp > 1``, `_build_pipelined` checks the pipeline rules (ZeRO-3, no compile,
+tied embeddings not with ``zbv``), sizes the microbatches and hands `build_pipeline` a factory
+that makes the whole model on the meta device; for each stage this rank holds, ``split_stage``
+drops the other stages' layers (and the embedding, final norm and head where the stage lacks
+them; the last stage of a tied model keeps a copy of ``tok_embeddings`` for its head), the stage
+is parallelized on its own, then materialised and initialised. A rank therefore allocates its own
+stages' parameters only, never the whole model. The last stage is handed the targets as a keyword
+of its forward and returns its loss from the model's own ``loss_head`` (vocab-parallel and
+chunked under TP), so no stage returns full-vocabulary logits; the schedule's loss function
+(``pipeline.stage_loss``) only picks the loss out. FSDP gathers parameters in the compute dtype
+(``parallel.fsdp_param_dtype``, `parallelize.fsdp_gather_dtype`: bf16 under bf16 autocast) and
+reduces gradients in fp32. Materialisation and initialisation run inside
+``build_model(materialize=...)``, which the dry run (``densetrain.dryrun``) sets to
+``FakeTensorMode``.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ A DTensor (FSDP2 shards, TP shards) counts only its local shard; tensors that sh
 counted once. These numbers are what the ZeRO paper's model-state formulas predict per rank
 (Rajbhandari et al. 2020, §5: with N ranks and Ψ parameters, ZeRO-1 holds the full parameters and
 gradients and 1/N of the optimizer states, ZeRO-2 also 1/N of the gradients, ZeRO-3 1/N of all).
+The trainer logs them in a run's first metrics record.
 """
 
 from __future__ import annotations

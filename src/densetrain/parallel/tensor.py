@@ -1,5 +1,5 @@
 """Tensor parallel (Megatron-LM, Shoeybi et al. 2019) and sequence parallel (Korthikanti et al.
-2022) through DTensor plans over the model's parameter names (docs/architecture.md).
+2022) through DTensor plans over the model's parameter names (models/transformer.py).
 
 Per block: ``wq/wk/wv`` and ``w_up/w_gate`` are split by output features (column-wise),
 ``wo`` and ``w_down`` by input features (row-wise), so each block needs one all-reduce forward

@@ -1,5 +1,5 @@
 """Decay / no-decay grouping: weights of linear layers decay; norms, biases and (by option)
-embeddings do not. The reference is the parameter-name table of docs/architecture.md."""
+embeddings do not. The reference is the parameter-name table of models/transformer.py."""
 
 import pytest
 import torch

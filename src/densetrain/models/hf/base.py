@@ -2,7 +2,7 @@
 
 An adapter knows one ``model_type``: how its ``config.json`` maps to a ``ModelConfig`` (and
 back, refusing configs the family cannot express) and how its state-dict names and layouts map
-to densetrain's (docs/architecture.md). Most tensors are plain renames, given by
+to densetrain's (``models/transformer.py``). Most tensors are plain renames, given by
 ``rename_pairs``; fused or transposed layouts are handled by the ``_export_special`` /
 ``_import_special`` hooks. Vocabulary padding is handled here: exports carry only the
 ``vocab_size`` real rows, imports pad with zeros to ``padded_vocab_size``.
@@ -193,7 +193,7 @@ class HFAdapter:
         """Add the densetrain tensors that are not plain renames (fused layouts)."""
 
     def dt_to_hf(self, state: Tensors, cfg: ModelConfig) -> Tensors:
-        """Map a densetrain state dict (parameter names of docs/architecture.md) to HF names."""
+        """Map a densetrain state dict (parameter names of models/transformer.py) to HF names."""
         state = unpad_vocab(state, cfg)
         out: Tensors = {}
         for pair in self.rename_pairs(cfg):

@@ -5,7 +5,7 @@ A directory with two files:
 - ``config.json``: ``ModelConfig.to_dict()`` (every field, ``rope_scaling`` as a dict or null,
   provenance in ``extra``), read back with ``read_model_config`` (every key and type checked);
 - ``model.safetensors``: the ``Transformer`` state dict under the parameter names of
-  docs/architecture.md (padded vocabulary rows included; tied models store only
+  ``models/transformer.py`` (padded vocabulary rows included; tied models store only
   ``tok_embeddings.weight``). Above ``max_shard_bytes`` it is sharded as Hugging Face does
   (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``).
 

@@ -1,6 +1,6 @@
 """Parameter names and shapes of a densetrain ``Transformer``, from its ``ModelConfig`` alone.
 
-This follows the parameter-name table of docs/architecture.md; the Hugging Face adapters map
+This follows the parameter-name table of models/transformer.py; the Hugging Face adapters map
 these names, so checkpoints can be validated (and converted on the meta device) without
 building a model.
 """
