@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_goodput(args: argparse.Namespace) -> int:
     """Print the table and write the timeline."""
     from densetrain.errors import UserError
-    from densetrain.train.goodput import LEDGER_FILE, ledger_totals, read_ledger
+    from densetrain.train.goodput import LEDGER_FILE, ledger_totals, ledger_waiting, read_ledger
 
     lines = read_ledger(args.run_dir)
     if not lines:
@@ -41,6 +41,14 @@ def run_goodput(args: argparse.Namespace) -> int:
     accounted = sum(totals.values())
     print(f"{'accounted':<12} {accounted:>10.1f} {100 * accounted / wall if wall else 0:>7.1f}%")
     print(f"goodput (productive / wall): {totals['productive'] / wall if wall else 0:.3f}")
+    waited, stragglers = ledger_waiting(lines)
+    if any("collective_wait_s" in e for e in lines):
+        print(f"waiting in collectives for slower ranks (mean over ranks, inside the step "
+              f"buckets): {waited:.1f} s ({100 * waited / wall if wall else 0:.1f}% of wall)")
+    for s in stragglers:
+        print(f"straggler: rank {s['rank']} (host {s.get('host', '?')}) up to "
+              f"{float(s['factor']):.2f}x the median rank, steps {s['since_step']}-"
+              f"{s['last_step']}")
     if not args.no_plot:
         print(f"timeline: {plot_timeline(lines, Path(args.run_dir))}")
     return 0

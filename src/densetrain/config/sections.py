@@ -349,6 +349,13 @@ class FaultsConfig:
             that are not deterministic need a tolerance measured on the hardware first.
         sdc_replay_tolerance: 0 compares bit for bit (CPU); else the largest difference
             allowed, relative to the tensor's largest magnitude.
+        straggler_interval: every this many steps, all-gather each rank's per-step compute
+            and collective-waiting times (`train.stragglers`; timestamps per step, one small
+            all-gather per interval); 0 turns straggler detection off.
+        straggler_factor: a rank whose compute time exceeds the median rank's by this
+            factor...
+        straggler_steps: ...for this many measured steps in a row is named a straggler (log,
+            ``metrics.jsonl`` and ``densetrain goodput``).
     """
 
     max_consecutive_skips: int = 5
@@ -376,6 +383,9 @@ class FaultsConfig:
     sdc_action: str = "stop"
     sdc_replay_interval: int = 0
     sdc_replay_tolerance: float = 0.0
+    straggler_interval: int = 10
+    straggler_factor: float = 1.5
+    straggler_steps: int = 5
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming ``faults.<field>`` when a value is out of range."""
@@ -412,6 +422,13 @@ class FaultsConfig:
             raise UserError(f"faults.sdc_replay_tolerance must be a finite number >= 0, got "
                             f"{tolerance!r}")
         parse_sequence_ranges(self.skip_sequences, field_name="faults.skip_sequences")
+        _int_at_least("faults.straggler_interval", self.straggler_interval, 0)
+        _int_at_least("faults.straggler_steps", self.straggler_steps, 1)
+        factor = self.straggler_factor
+        if not (isinstance(factor, (int, float)) and not isinstance(factor, bool)
+                and math.isfinite(factor) and factor > 1):
+            raise UserError("faults.straggler_factor must be a finite number > 1 (times the "
+                            f"median rank's compute time), got {factor!r}")
 
 
 def parse_sequence_ranges(text: str, *, field_name: str) -> list[tuple[int, int]]:

@@ -105,6 +105,9 @@ class LaidOutModel:
     loss_fn: LossFn = dataclasses.field(default_factory=lambda: model_loss_fn(None))
     pipeline: Any = None
     ignore_index: int = -100
+    before_reduction: Callable[[], None] | None = None
+    """Called before the last micro-batch's backward, whose gradient reduction the ranks meet
+    in (the straggler monitor's mark under plain DDP; `train.stragglers`)."""
 
     # ------------------------------------------------------------------ batches
     @property
@@ -177,6 +180,8 @@ class LaidOutModel:
                 with autocast():
                     output = self.loss_fn(self.module, batch)
                 weight = count.to(output.loss.dtype) / total_tokens
+                if index == last and self.before_reduction is not None:
+                    self.before_reduction()
                 (output.loss * (weight * self.cp_size)).backward()
             loss_sum = loss_sum + output.loss.detach().float() * weight
         if cp_group is not None:

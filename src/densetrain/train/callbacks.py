@@ -199,6 +199,8 @@ class MetricsLogger(Callback):
             record["model_state_gib"] = state.total_bytes / 2**30
             self._first = False
         record.update(report.eval)
+        if report.stragglers:
+            record["stragglers"] = report.stragglers
         return record
 
     def summary(self) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from densetrain.data.stream import Batch, BatchStream
 from densetrain.data.stream import _segment_info as segment_info
 from densetrain.errors import UserError
 from densetrain.train.state import RunParts
+from densetrain.train.stragglers import blocking_point
 
 IGNORE_INDEX = -100
 """Target of the rows that pad a rank's last validation batch (no loss, no token count)."""
@@ -36,8 +37,10 @@ def mean_over_ranks(value: torch.Tensor) -> float:
     """The mean of ``value`` over every rank (a collective; the value itself on one process)."""
     value = value.detach().float().clone()
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        value /= dist.get_world_size()
+        with blocking_point():  # the loss all-reduce: time waited here is not compute
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+            value /= dist.get_world_size()
+            return float(value)
     return float(value)
 
 

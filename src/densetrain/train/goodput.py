@@ -16,7 +16,11 @@ rollback or a restart from an older checkpoint), ``checks`` (the fault checks, r
 included), ``evaluation``, ``callbacks`` (logging, checkpoint saves: checkpoint stalls show
 here), ``down``. A line also counts ``storage_retries`` when requests to an object store
 (checkpoints under ``s3://``) were retried during it: timeouts, dropped connections, 5xx and
-throttling, which the storage library retries with backoff (`checkpoint.objstore`).
+throttling, which the storage library retries with backoff (`checkpoint.objstore`). Every
+``faults.straggler_interval`` steps a line also holds ``collective_wait_s``, the seconds the
+ranks (on average) waited in the step's collectives for slower ranks over the steps measured
+since the last such line, and ``stragglers``, the ranks named slow then (`train.stragglers`);
+that time is inside the ``productive``/``recomputed`` buckets, not a bucket of its own.
 """
 
 from __future__ import annotations
@@ -100,6 +104,18 @@ def check_line(entry: dict[str, Any]) -> None:
         if seconds is None or seconds < 0:
             raise UserError(f"field 'buckets.{bucket}' is {value!r}; seconds must be a finite "
                             "number >= 0")
+    if "collective_wait_s" in entry:
+        wait = _seconds(entry["collective_wait_s"])
+        if wait is None or wait < 0:
+            raise UserError(f"field 'collective_wait_s' is {entry['collective_wait_s']!r}; it "
+                            "must be a finite number of seconds >= 0")
+    stragglers = entry.get("stragglers", [])
+    if not (isinstance(stragglers, list) and all(
+            isinstance(s, dict) and is_int_at_least(s.get("rank"), 0)
+            and is_int_at_least(s.get("since_step"), 0) and _seconds(s.get("factor")) is not None
+            for s in stragglers)):
+        raise UserError(f"field 'stragglers' is {stragglers!r}; it must be a list of objects "
+                        "with an integer rank, a factor and an integer since_step")
 
 
 def high_water_step(lines: list[dict[str, Any]]) -> int:
@@ -120,6 +136,8 @@ class GoodputLedger:
         self._last = started
         self.high_water = 0
         self.storage_retries = 0
+        self.collective_wait_s = 0.0
+        self._notes: dict[str, Any] = {}
         if write:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if self.path.is_file():
@@ -151,16 +169,26 @@ class GoodputLedger:
                      "step": step, "buckets": self._line}
             if retries:  # their time is in the bucket of the phase that waited on them
                 entry["storage_retries"] = retries
+            entry.update(self._notes)
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(entry) + "\n")
-        self._line, self._line_start = {}, self._last
+        self._line, self._line_start, self._notes = {}, self._last, {}
+
+    def note_waiting(self, seconds: float, stragglers: list[dict[str, Any]]) -> None:
+        """Seconds the ranks waited in collectives (mean over ranks) since the last note, and
+        the stragglers named now: fields of the next line."""
+        self.collective_wait_s += seconds
+        self._notes["collective_wait_s"] = self._notes.get("collective_wait_s", 0.0) + seconds
+        if stragglers:
+            self._notes["stragglers"] = stragglers
 
     def summary(self) -> dict[str, float]:
         """This process's seconds per bucket and its goodput (productive / accounted)."""
         total = sum(self.totals.values())
         return {**{f"goodput_{k}_s": v for k, v in self.totals.items() if k != "down"},
                 "goodput_process": self.totals["productive"] / total if total else 0.0,
-                "goodput_storage_retries": self.storage_retries}
+                "goodput_storage_retries": self.storage_retries,
+                "goodput_collective_wait_s": self.collective_wait_s}
 
 
 def ledger_totals(lines: list[dict[str, Any]]) -> tuple[dict[str, float], float]:
@@ -176,3 +204,17 @@ def ledger_totals(lines: list[dict[str, Any]]) -> tuple[dict[str, float], float]
             totals["down"] += max(float(after["start"]) - float(before["end"]), 0.0)
     wall = float(ordered[-1]["end"]) - float(ordered[0]["start"]) if ordered else 0.0
     return totals, wall
+
+
+def ledger_waiting(lines: list[dict[str, Any]]) -> tuple[float, list[dict[str, Any]]]:
+    """Seconds lost to waiting in collectives over the run's lines (mean over ranks), and each
+    straggler episode once (rank, host, since_step, the largest factor, last step seen)."""
+    wait = sum(float(e.get("collective_wait_s", 0.0)) for e in lines)
+    episodes: dict[tuple[int, int], dict[str, Any]] = {}
+    for entry in sorted(lines, key=lambda e: float(e["start"])):
+        for s in entry.get("stragglers", []):
+            key = (int(s["rank"]), int(s["since_step"]))
+            seen = episodes.setdefault(key, {**s, "last_step": int(entry["step"])})
+            seen["factor"] = max(float(seen["factor"]), float(s["factor"]))
+            seen["last_step"] = int(entry["step"])
+    return wait, list(episodes.values())

@@ -158,6 +158,8 @@ class StepReport:
     step_seconds: float
     eval: dict[str, float] = field(default_factory=dict)
     """``val_loss`` and ``val_ppl`` on evaluation steps, else empty."""
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    """The ranks named stragglers now (`train.stragglers`): rank, host, factor, since_step."""
 
     @property
     def is_last(self) -> bool:

@@ -44,6 +44,7 @@ from densetrain.train.phases import PhaseTracker
 from densetrain.train.replay import replayed_step
 from densetrain.train.state import Progress, RunParts, StepReport
 from densetrain.train.step import train_step
+from densetrain.train.stragglers import StragglerMonitor, blocking_point
 from densetrain.train.watchdog import HangWatchdog, start_watchdog
 
 
@@ -75,7 +76,7 @@ class RunLoop:
     def __init__(self, parts: RunParts, progress: Progress, evaluator: Evaluator,
                  callbacks: Sequence[Callback], guard: FaultGuard,
                  watchdog: HangWatchdog | None = None, ledger: GoodputLedger | None = None,
-                 stop: Any = None) -> None:
+                 stop: Any = None, stragglers: StragglerMonitor | None = None) -> None:
         self.parts = parts
         self.stop = stop
         """A `densetrain.checkpoint.PreemptionHandler` asked after each step (or None)."""
@@ -83,7 +84,7 @@ class RunLoop:
         self.evaluator = evaluator
         self.guard = guard
         guard.settle_checkpoints = self.flush_callbacks
-        self.phases = PhaseTracker(watchdog, ledger)
+        self.phases = PhaseTracker(watchdog, ledger, stragglers)
         self.callbacks = list(callbacks)
         self.process_tokens = 0
         self.process_train_seconds = 0.0
@@ -105,7 +106,9 @@ class RunLoop:
             self.phases.begin(progress.step + 1)
             report = self.step(total_steps)
             self.phases.enter("fault checks")
+            report.stragglers = self.phases.measure_stragglers(report.step)  # collective
             if self.guard.after_step(parts, progress, report):  # rolled back: the step is void
+                self.phases.rolled_back()
                 for callback in self.callbacks:
                     callback.on_rollback(parts, progress)
                 self.phases.end()
@@ -118,7 +121,9 @@ class RunLoop:
             for callback in self.callbacks:
                 callback.on_step_end(parts, progress, report)
             # [checkpoint call site] preemption: a SIGTERM/SIGINT on any rank -> save, stop.
-            if self.stop is not None and self.stop.should_stop():
+            with blocking_point():  # the preemption vote is a collective
+                stopping = self.stop is not None and self.stop.should_stop()
+            if stopping:
                 self.phases.stop()
                 for callback in self.callbacks:
                     if isinstance(callback, Checkpointer):
@@ -349,6 +354,9 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
             summary = finished_run_summary(parts, progress)
             succeeded = True
             return summary
+        stragglers = StragglerMonitor(job.faults, rank=parts.rank, world_size=parts.world_size,
+                                      device=parts.device, is_main=parts.is_main)
+        stragglers.attach(parts.model, parts.pmesh.dims if parts.pmesh is not None else None)
         # [checkpoint call site] SIGTERM/SIGINT -> save and stop, within the grace time.
         with PreemptionHandler(grace_s=job.checkpoint.preemption_grace_s,
                                timeout_s=job.parallel.collective_timeout_s) as preemption:
@@ -358,11 +366,12 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
                            all_callbacks,
                            FaultGuard(job.faults, replica_check=build_replica_check(
                                job.faults, job.parallel, parts.pmesh)),
-                           watchdog, ledger, stop=preemption)
+                           watchdog, ledger, stop=preemption, stragglers=stragglers)
             loop.run()
         loop.phases.finish(progress.step)
         summary = summarize(parts, progress, loop, all_callbacks)
         summary.update(ledger.summary())
+        summary.update(stragglers.summary())
         summary["resumed_from"] = resumed_from
         if preemption.requested:
             summary["preempted"] = preemption.signal_name
