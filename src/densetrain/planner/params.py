@@ -1,6 +1,6 @@
 """Parameters held by one device under tensor and pipeline parallelism.
 
-The counts follow the parameter table of docs/architecture.md and the tensor-parallel plan of
+The counts follow the parameter table of ``models/transformer.py`` and the tensor-parallel plan of
 ``densetrain.parallel``: column-parallel ``wq/wk/wv/w_up/w_gate`` (weight and bias split by tp),
 row-parallel ``wo/w_down`` (weight split by tp, bias replicated), norms replicated, token
 embedding and output vocab-parallel (rows padded to a multiple of tp, then split). With grouped

@@ -5,7 +5,7 @@ each step is `train_step` (step.py); evaluation runs on its cadence inside the l
 result is part of the step's `StepReport`; logging, checkpoints, the plot and the sample are
 callbacks (callbacks.py) that read the report.
 
-One job, as the code runs it::
+One job, as the code runs it (docs/architecture.md has the package map)::
 
     train(job)
       build_run(job)                                   train/setup.py
@@ -14,9 +14,14 @@ One job, as the code runs it::
         build_model(model_cfg, job.parallel, pmesh)      parallel/build.py
           meta Transformer → parallelize → to_empty → init_weights   (pp: per stage)
         build_optimizer(...) → TrainingOptimizer         parallel/parallelize.py, zero.py
-      resume(parts, progress)                          checkpoint/manager.py
+      acquire_run_lock, GoodputLedger, HangWatchdog,   checkpoint/lock.py, train/goodput.py,
+        StragglerMonitor, PreemptionHandler              watchdog.py, stragglers.py,
+                                                         checkpoint/preemption.py
+      resume(parts, progress)                          here; checkpoint/resume.py, manager.py
       run_loop: prepare_batch → train_step → scheduler → FaultGuard (rollback?)
-                → evaluate? → callbacks                train/faults.py
+                → evaluate? → callbacks (checkpoint interval: fixed or auto)
+                                                       train/faults.py, callbacks.py,
+                                                       auto_interval.py
       summary.json
 """
 
