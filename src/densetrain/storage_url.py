@@ -54,6 +54,21 @@ _retries = 0
 _retries_lock = threading.Lock()
 
 
+def bucket_problem(fs: Any, path: str, url: str, field: str) -> str | None:
+    """Why the bucket of ``url`` (``path`` on the fsspec filesystem ``fs``) cannot be used, one
+    line naming ``field``, or None: one request, nothing written."""
+    bucket = path.split("/", 1)[0]
+    try:
+        found = fs.exists(bucket)
+    except Exception as err:  # noqa: BLE001 - botocore/aiohttp raise many types for a refusal
+        return (f"{field} {url} cannot be reached ({type(err).__name__}: {err}); check the "
+                "endpoint (AWS_ENDPOINT_URL) and credentials")
+    if not found:
+        return (f"{field} {url}: the bucket {bucket!r} does not exist (or these credentials "
+                "cannot see it); create it first")
+    return None
+
+
 def count_retry() -> None:
     """Record one retried request to an object store (called from the storage library's own
     threads: `checkpoint.objstore` hooks botocore's attempts)."""

@@ -44,6 +44,7 @@ from densetrain.errors import UserError
 from densetrain.storage_url import (  # noqa: F401
     _URL_RE,
     EXTRA_HINT,
+    bucket_problem,
     count_retry,
     is_remote,
     url_problem,
@@ -110,16 +111,9 @@ def check_reachable(url: str) -> None:
     """Raise `ObjectStoreError` naming ``url`` when its bucket does not exist or cannot be
     reached (wrong endpoint, no credentials); nothing is written."""
     fs, path = filesystem(url)
-    bucket = path.split("/", 1)[0]
-    try:
-        found = fs.exists(bucket)
-    except Exception as err:  # botocore/aiohttp raise many types for a refused request
-        raise ObjectStoreError(f"checkpoint.dir {url} cannot be reached ({type(err).__name__}: "
-                               f"{err}); check the endpoint (AWS_ENDPOINT_URL) and "
-                               "credentials") from None
-    if not found:
-        raise ObjectStoreError(f"checkpoint.dir {url}: the bucket {bucket!r} does not exist "
-                               "(or these credentials cannot see it); create it first")
+    problem = bucket_problem(fs, path, url, "checkpoint.dir")
+    if problem is not None:
+        raise ObjectStoreError(problem)
 
 
 def join(url: str, name: str) -> str:

@@ -45,7 +45,14 @@ import numpy as np
 from densetrain.data.default_corpus import default_cache_dir
 from densetrain.data.shards import META_FILE, atomic_write_bytes, load_metadata
 from densetrain.errors import DamagedFileError, UserError, UserFileExistsError
-from densetrain.storage_url import _URL_RE, EXTRA_HINT, is_remote, url_problem, url_scheme
+from densetrain.storage_url import (
+    _URL_RE,
+    EXTRA_HINT,
+    bucket_problem,
+    is_remote,
+    url_problem,
+    url_scheme,
+)
 
 DEFAULT_CACHE_MAX_BYTES = 20 << 30
 _CHUNK = 8 << 20
@@ -85,16 +92,9 @@ def _filesystem(url: str, field: str) -> tuple[Any, str]:
 
 
 def _check_bucket(fs: Any, path: str, url: str, field: str) -> None:
-    bucket = path.split("/", 1)[0]
-    try:
-        found = fs.exists(bucket)
-    except Exception as err:  # botocore/aiohttp raise many types for a refused request
-        raise RemoteDatasetError(f"{field} {url} cannot be reached ({type(err).__name__}: "
-                                 f"{err}); check the endpoint (AWS_ENDPOINT_URL) and "
-                                 "credentials") from None
-    if not found:
-        raise RemoteDatasetError(f"{field} {url}: the bucket {bucket!r} does not exist (or "
-                                 "these credentials cannot see it)")
+    problem = bucket_problem(fs, path, url, field)
+    if problem is not None:
+        raise RemoteDatasetError(problem)
 
 
 class ShardCache:
