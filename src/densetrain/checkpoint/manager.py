@@ -150,9 +150,44 @@ def prune_checkpoints(directory: str | os.PathLike, keep_last: int) -> list[Path
         return objstore.prune(str(directory), keep_last)
     doomed = [path for _, path in list_checkpoints(directory)[:-keep_last]]
     for path in doomed:
-        # Remove the manifest first so a half-deleted directory is never taken as complete.
-        (path / COMPLETE_MARKER).unlink(missing_ok=True)
-        shutil.rmtree(path, ignore_errors=True)
+        delete_checkpoint(path)
+    return doomed
+
+
+def delete_checkpoint(path: str | os.PathLike) -> None:
+    """Delete one checkpoint, on a disk or under a URL: its manifest first, so that a
+    half-deleted one is never taken as complete."""
+    if objstore.is_remote(path):
+        objstore.remove(str(path))
+        return
+    (Path(path) / COMPLETE_MARKER).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def checkpoint_keys(path: str | os.PathLike) -> frozenset[str]:
+    """The flattened state keys checkpoint ``path`` holds (``model.…``, ``optim.…``), from its
+    DCP metadata (read through the restricted unpickler): what schema migrations ask."""
+    from densetrain.checkpoint.safe_pickle import read_dcp_metadata
+
+    return frozenset(read_dcp_metadata(path).state_dict_metadata)
+
+
+def newest_at_most(directory: str | os.PathLike, step: int) -> tuple[int, Path] | None:
+    """The newest complete checkpoint of step <= ``step`` as ``(step, path)``, or None: where a
+    rollback to ``step`` lands."""
+    eligible = [(s, p) for s, p in list_checkpoints(directory) if s <= step]
+    return eligible[-1] if eligible else None
+
+
+def remove_checkpoints_after(directory: str | os.PathLike, step: int, *,
+                             is_main: bool) -> list[Path]:
+    """Delete the complete checkpoints after ``step`` (a rollback abandoned their trajectory: a
+    later save of the same step must not find them); ``is_main`` deletes, every caller gets
+    the list. The caller holds the other ranks until it is done (a barrier)."""
+    doomed = [p for s, p in list_checkpoints(directory) if s > step]
+    if is_main:
+        for path in doomed:
+            delete_checkpoint(path)
     return doomed
 
 

@@ -259,3 +259,21 @@ def check_resume_config(checkpoint: Path | str, current_toml: str, *, allow_chan
         print(f"resuming {checkpoint} with a changed config (checkpoint.allow_config_change): "
               f"{listed}", file=sys.stderr)
     return changes
+
+
+def check_optimizer_layout(checkpoint: Path | str, layout: str) -> None:
+    """Refuse ``checkpoint`` when its optimizer state was saved in another layout than
+    ``layout`` (this run's optimizer's: ZeRO-1/2 states are a rank's chunks and are not
+    resharded on load), read from the checkpoint's DCP metadata."""
+    from densetrain.checkpoint.manager import checkpoint_keys
+    from densetrain.optim.interface import layout_of_saved_keys
+
+    stored = checkpoint_keys(checkpoint)
+    saved = layout_of_saved_keys(k[len("optim."):] for k in stored if k.startswith("optim."))
+    if saved != layout:
+        raise UserError(
+            f"checkpoint {checkpoint} holds optimizer states {saved}, but this run's optimizer "
+            f"is {layout}: ZeRO-1/2 optimizer states are not resharded, so resume it with the "
+            "same parallel.zero_stage and world size (or set checkpoint.resume=false and "
+            "training.init_from to take the weights only)"
+        )

@@ -16,21 +16,15 @@ to save a state tree holding NaN/inf anywhere (model, optimizer, anything with t
 from __future__ import annotations
 
 import math
-import shutil
 import sys
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from densetrain.checkpoint import (
-    NonFiniteStateError,
-    list_checkpoints,
-    load_checkpoint,
-)
-from densetrain.checkpoint.manager import COMPLETE_MARKER
+from densetrain.checkpoint import NonFiniteStateError, load_checkpoint
+from densetrain.checkpoint.manager import newest_at_most, remove_checkpoints_after
 from densetrain.config.sections import FaultsConfig, parse_sequence_ranges
 from densetrain.parallel.config import ParallelConfig
 from densetrain.parallel.mesh import ParallelMesh
@@ -100,25 +94,6 @@ def check_state_finite(state: Mapping[str, Any], step: int) -> dict[str, Any]:
                 "values (the whole state is checked: model, optimizer, schedules, data)"
             )
     return tree
-
-
-def rollback_target(checkpoint_dir: Path, at_most: int) -> tuple[int, Path] | None:
-    """The newest complete checkpoint of step <= ``at_most``, or None."""
-    eligible = [(s, p) for s, p in list_checkpoints(checkpoint_dir) if s <= at_most]
-    return eligible[-1] if eligible else None
-
-
-def remove_checkpoints_after(checkpoint_dir: Path, step: int) -> list[Path]:
-    """Delete the complete checkpoints after ``step`` (their trajectory was abandoned; a later
-    save of the same step must not find them). Rank 0 deletes, marker first; collective."""
-    doomed = [p for s, p in list_checkpoints(checkpoint_dir) if s > step]
-    if rank() == 0:
-        for path in doomed:
-            (path / COMPLETE_MARKER).unlink(missing_ok=True)  # not complete from here on
-            shutil.rmtree(path, ignore_errors=True)
-    if dist_on():
-        dist.barrier()
-    return doomed
 
 
 def skipped_range(parts: RunParts, from_step: int, batches: int) -> tuple[int, int]:
@@ -217,7 +192,7 @@ class FaultGuard:
             raise RunFaultError(f"{reason}; faults.spike_action='stop' ends the run: {advice}")
         at_most = step - cfg.rollback_min_steps
         self.settle_checkpoints()
-        if rollback_target(parts.checkpoint_dir, at_most) is None:
+        if newest_at_most(parts.checkpoint_dir, at_most) is None:
             missing = (f"no complete checkpoint of step <= {at_most} in {parts.checkpoint_dir} "
                        "to roll back to" if at_most > 0 else "too early for a checkpoint "
                        f"faults.rollback_min_steps={cfg.rollback_min_steps} steps before it")
@@ -293,7 +268,7 @@ class FaultGuard:
                 "raise schedule warmup or set optim.grad_clip"
             )
         self.settle_checkpoints()  # an async save in flight becomes visible (or fails) first
-        target = rollback_target(parts.checkpoint_dir, at_most)
+        target = newest_at_most(parts.checkpoint_dir, at_most)
         if target is None:
             raise RunFaultError(
                 f"{reason}; no complete checkpoint of step <= {at_most} in "
@@ -301,7 +276,9 @@ class FaultGuard:
                 f"{cfg.rollback_min_steps}), so the run stops"
             )
         to_step, path = target
-        remove_checkpoints_after(parts.checkpoint_dir, to_step)
+        remove_checkpoints_after(parts.checkpoint_dir, to_step, is_main=rank() == 0)
+        if dist_on():
+            dist.barrier()  # no rank loads while rank 0 still deletes
         tree = parts.state_tree(progress, as_in=path)
         tree.pop("faults", None)  # the record keeps what happened since that checkpoint
         load_checkpoint(path, tree)

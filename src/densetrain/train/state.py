@@ -108,10 +108,10 @@ class RunParts:
             "faults": self.fault_record,
         }
         if as_in is not None:
-            from densetrain.checkpoint.safe_pickle import read_dcp_metadata
+            from densetrain.checkpoint.manager import checkpoint_keys
             from densetrain.data.stream import CONTENT_KEY
 
-            stored = read_dcp_metadata(as_in).state_dict_metadata
+            stored = checkpoint_keys(as_in)
             if not any(key.startswith("faults.") for key in stored):
                 del tree["faults"]  # no faults were recorded then
             if f"data.{CONTENT_KEY}" not in stored:

@@ -38,7 +38,6 @@ from typing import Any
 from densetrain.checkpoint import load_checkpoint
 from densetrain.config.job import JobConfig
 from densetrain.errors import UserError, describe_error
-from densetrain.optim.interface import layout_of_saved_keys
 from densetrain.parallel.distributed import collective_step
 from densetrain.train.auto_interval import auto_interval
 from densetrain.train.callbacks import Callback, Checkpointer, LossPlot, MetricsLogger, Sampler
@@ -172,23 +171,6 @@ class RunLoop:
         )
 
 
-def check_optimizer_layout(path: Path, parts: RunParts) -> None:
-    """Refuse a checkpoint whose optimizer state was saved in another layout than this run's
-    optimizer uses (ZeRO-1/2 states are this rank's chunks and are not resharded on load)."""
-    from densetrain.checkpoint.safe_pickle import read_dcp_metadata
-
-    stored = read_dcp_metadata(path).state_dict_metadata
-    saved = layout_of_saved_keys(k[len("optim."):] for k in stored if k.startswith("optim."))
-    now = parts.optimizer.checkpoint_layout
-    if saved != now:
-        raise UserError(
-            f"checkpoint {path} holds optimizer states {saved}, but this run's optimizer is "
-            f"{now}: ZeRO-1/2 optimizer states are not resharded, so resume it with the same "
-            "parallel.zero_stage and world size (or set checkpoint.resume=false and "
-            "training.init_from to take the weights only)"
-        )
-
-
 def resume(parts: RunParts, progress: Progress, *, allow_config_change: bool = False) -> str:
     """Load the newest checkpoint that verifies into the run (if any); returns its path or "".
 
@@ -197,7 +179,11 @@ def resume(parts: RunParts, progress: Progress, *, allow_config_change: bool = F
     (`check_resume_config`: a changed model or data order is refused unless
     ``checkpoint.allow_config_change``).
     """
-    from densetrain.checkpoint.resume import check_resume_config, select_resume_checkpoint
+    from densetrain.checkpoint.resume import (
+        check_optimizer_layout,
+        check_resume_config,
+        select_resume_checkpoint,
+    )
     from densetrain.data.stream import DataStateMismatchError
 
     latest = select_resume_checkpoint(parts.checkpoint_dir, run_dir=parts.run_dir)
@@ -205,7 +191,7 @@ def resume(parts: RunParts, progress: Progress, *, allow_config_change: bool = F
         return ""
     check_resume_config(latest, parts.config_toml, allow_change=allow_config_change,
                         run_dir=parts.run_dir, vocab_size=parts.model_cfg.vocab_size)
-    check_optimizer_layout(latest, parts)
+    check_optimizer_layout(latest, parts.optimizer.checkpoint_layout)
     tree = parts.state_tree(progress, as_in=latest)
     try:
         load_checkpoint(latest, tree, verify=False)  # verified just above
