@@ -91,19 +91,57 @@ def _on_request(request: Any = None, **_: Any) -> None:
         count_retry()
 
 
+# What s3fs's own retry loop (s3fs.core._error_wrapper) re-issues a failed call for: a ClientError
+# whose text holds one of these (its list, inline there), or an exception of
+# s3fs.core.S3_RETRYABLE_ERRORS (module-level, extended by s3fs.add_retryable_error).
+_S3FS_RETRIED_TEXT = ("SlowDown", "reduce your request rate", "XAmzContentSHA256Mismatch")
+
+
+def _on_call_done(http_response: Any = None, parsed: Any = None, **_: Any) -> None:
+    """botocore's ``after-call``: the call's final answer, after botocore's own attempts. An
+    error answer s3fs retries (throttling) means one more request s3fs sends as a new call."""
+    if getattr(http_response, "status_code", 200) < 300:
+        return
+    error = (parsed or {}).get("Error") or {}
+    text = f"{error.get('Code', '')} {error.get('Message', '')}"
+    if any(pattern in text for pattern in _S3FS_RETRIED_TEXT):
+        count_retry()
+
+
+def _on_call_error(exception: BaseException | None = None, **_: Any) -> None:
+    """botocore's ``after-call-error``: the call raised after botocore's own attempts (a
+    timeout, a dropped connection, an unparsable answer); s3fs re-issues those it lists."""
+    from s3fs.core import S3_RETRYABLE_ERRORS
+
+    if exception is not None and isinstance(exception, S3_RETRYABLE_ERRORS):
+        count_retry()
+
+
 def _count_retries(fs: Any) -> None:
     """Count every retried request of ``fs``'s S3 client into `storage_url.take_retries` (the
-    goodput ledger's ``storage_retries``). botocore itself retries timeouts, dropped
-    connections, 5xx and throttling (SlowDown) with exponential backoff, and s3fs retries
-    again on top; neither reports it, so this hooks botocore's ``request-created`` event, sent
-    for every attempt with the attempt number in its context: an attempt past the first is a
-    retry. fsspec's DCP writer and reader get the same cached filesystem, hence this client.
-    Retries s3fs adds after botocore gave up are not seen (each starts at attempt 1)."""
+    goodput ledger's ``storage_retries``). Two layers retry, and neither reports it:
+
+    * botocore retries timeouts, dropped connections, 5xx and throttling (SlowDown) with
+      exponential backoff, up to its ``max_attempts``: its ``request-created`` event is sent for
+      every attempt with the attempt number in its context; an attempt past the first is a
+      retry.
+    * s3fs retries the whole call again on top (``_error_wrapper``, up to ``fs.retries`` times)
+      when botocore gave up on throttling or on a connection error: that call starts again at
+      attempt 1, so ``request-created`` does not see it. s3fs has no hook of its own for this
+      (``set_custom_error_handler`` is global, replaces the user's, and is not consulted for
+      SlowDown or connection errors), so botocore's public ``after-call`` (an error answer) and
+      ``after-call-error`` (an exception) events count each call s3fs will re-issue, with
+      s3fs's own criteria. A call that fails on s3fs's last try counts one retry too many; the
+      operation then fails anyway.
+
+    fsspec's DCP writer and reader get the same cached filesystem, hence this client."""
     if type(fs).__name__ != "S3FileSystem" or getattr(fs, "asynchronous", False):
         return
     client = fs.s3  # connects (sync), as the first request would
     if not getattr(client, "_densetrain_counts_retries", False):
         client.meta.events.register("request-created.s3", _on_request)
+        client.meta.events.register("after-call.s3", _on_call_done)
+        client.meta.events.register("after-call-error.s3", _on_call_error)
         client._densetrain_counts_retries = True
 
 
