@@ -219,8 +219,7 @@ def chaos(args, overrides, out: Path) -> tuple[list[dict], int, float, float]:
         try:
             agent.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            os.killpg(agent.pid, signal.SIGKILL)
-            agent.wait()
+            stop_all(agent)
     return injected, agent.returncode, start, time.time()
 
 
@@ -292,10 +291,21 @@ def reference_run(args, overrides, out: Path, skip: str, step: int) -> Path:
                for line in _tail(run_dir / "metrics.jsonl")) and _complete(ckpt):
             time.sleep(2)
             break
+    stop_all(agent)
+    return run_dir
+
+
+def stop_all(agent: subprocess.Popen) -> None:
+    """SIGKILL torchrun and its workers: they run in sessions of their own (torch elastic
+    starts them with start_new_session), so killing the agent's group would orphan them."""
+    for pid in workers_of(agent.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     if agent.poll() is None:
         os.killpg(agent.pid, signal.SIGKILL)
         agent.wait()
-    return run_dir
 
 
 def _tail(path: Path) -> list[str]:
