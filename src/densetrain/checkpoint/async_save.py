@@ -79,15 +79,18 @@ class AsyncCheckpointer:
         self.last_path: Any = None
         self.stall_seconds: list[float] = []
 
-    def save(self, step: int, state: Mapping[str, Any]) -> None:
+    def save(self, step: int, state: Mapping[str, Any], *, checked: bool = False) -> None:
         """Save the Stateful tree ``state`` as ``step-<step>`` (collective). Asynchronous: returns
-        once the state is staged; a failure of the previous save is raised here."""
+        once the state is staged; a failure of the previous save is raised here. ``checked``:
+        the caller has already refused non-finite values (`saving.check_state_finite`), so
+        the model is not checked again."""
         start = time.perf_counter()
         self.wait()
         if self.last_path is not None and Path(self.last_path).name == checkpoint_name(step):
             return
         tree = materialise(state)
-        check_finite(tree, "model", step)
+        if not checked:
+            check_finite(tree, "model", step)
         if self.remote:
             self._save_remote(step, tree)
             self.stall_seconds.append(time.perf_counter() - start)

@@ -25,7 +25,6 @@ from densetrain.checkpoint.manager import (
     CheckpointError,
     NonFiniteStateError,
     checkpoint_name,
-    flatten_tree,
     is_complete,
     latest_checkpoint,
     materialise,
@@ -121,22 +120,55 @@ def describe_write_error(err: BaseException, root: Path, step: int) -> str:
     return f"saving checkpoint step {step} into {root} failed ({type(err).__name__}: {err}); {kept}"
 
 
+def _floating_tensors(tree: Mapping[str, Any] | list, prefix: str = ""):
+    items = tree.items() if isinstance(tree, Mapping) else enumerate(tree)
+    for key, value in items:
+        name = f"{prefix}{key}"
+        if isinstance(value, (Mapping, list, tuple)):
+            yield from _floating_tensors(dict(enumerate(value)) if isinstance(value, tuple)
+                                         else value, name + ".")
+        elif isinstance(value, torch.Tensor) and value.is_floating_point():
+            yield name, value.to_local() if hasattr(value, "to_local") else value
+
+
+def first_non_finite(tree: Mapping[str, Any]) -> str | None:
+    """Dotted name of the first floating tensor of ``tree`` (this rank's part of it) holding
+    NaN or inf, else None. One host sync for the whole tree: the per-tensor flags are reduced
+    on the device first."""
+    named = list(_floating_tensors(tree))
+    if not named:
+        return None
+    flags = torch.stack([torch.isfinite(t).all().to(named[0][1].device) for _, t in named])
+    if bool(flags.all()):  # the one host sync
+        return None
+    return named[int((~flags).nonzero()[0, 0])][0]
+
+
+def check_state_finite(state: Mapping[str, Any], step: int) -> dict[str, Any]:
+    """Materialise the Stateful tree ``state`` and raise `NonFiniteStateError` naming the first
+    tensor (on any rank) holding NaN/inf; returns the materialised tree. Collective."""
+    tree = {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in state.items()}
+    bad = first_non_finite(tree)
+    found = collective.gather_all(bad)
+    for bad_rank, name in enumerate(found):
+        if name:
+            raise NonFiniteStateError(
+                f"refusing to save step {step}: tensor {name} on rank {bad_rank} holds NaN or inf "
+                "values (the whole state is checked: model, optimizer, schedules, data)"
+            )
+    return tree
+
+
 def check_finite(tree: Mapping[str, Any], key: str | None, step: int) -> None:
     """Raise `NonFiniteStateError` (on every rank) naming the first NaN/inf tensor of
-    ``tree[key]`` on any rank (collective)."""
+    ``tree[key]`` on any rank (collective; one host sync, `first_non_finite`)."""
     if key is None or key not in tree:
         return
-    local = None
-    for name, value in flatten_tree(tree[key]).items():
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            tensor = value.to_local() if hasattr(value, "to_local") else value
-            if not bool(torch.isfinite(tensor).all()):
-                local = name
-                break
+    local = first_non_finite({key: tree[key]})
     bad = collective.first_error(local)
     if bad:
         raise NonFiniteStateError(
-            f"refusing to save step {step}: tensor {key}.{bad} holds NaN or inf values"
+            f"refusing to save step {step}: tensor {bad} holds NaN or inf values"
         )
 
 

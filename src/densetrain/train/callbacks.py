@@ -325,12 +325,13 @@ class Checkpointer(Callback):
                       "and the next save is tried as usual", file=sys.stderr, flush=True)
 
     def _save(self, parts: RunParts, progress: Progress, *, wait: bool = False) -> None:
-        from densetrain.train.faults import check_state_finite
+        from densetrain.checkpoint.saving import check_state_finite
 
         self._guarded(self.writer.wait)  # the previous save's failure, before this save
-        state = parts.state_tree(progress)
-        check_state_finite(state, progress.step)  # model, optimizer, anything with tensors
-        self._guarded(lambda: self.writer.save(progress.step, state))
+        # one state_dict() of the tree and one finiteness check (model, optimizer, anything
+        # with tensors; one host sync), which the writer then takes as done
+        tree = check_state_finite(parts.state_tree(progress), progress.step)
+        self._guarded(lambda: self.writer.save(progress.step, tree, checked=True))
         if wait:
             self._guarded(self.writer.wait)
 

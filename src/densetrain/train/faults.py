@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
-import torch
 import torch.distributed as dist
 
-from densetrain.checkpoint import NonFiniteStateError, load_checkpoint
+from densetrain.checkpoint import load_checkpoint
 from densetrain.checkpoint.manager import newest_at_most, remove_checkpoints_after
+from densetrain.checkpoint.saving import check_state_finite, first_non_finite  # noqa: F401
 from densetrain.config.sections import FaultsConfig, parse_sequence_ranges
 from densetrain.parallel.config import ParallelConfig
 from densetrain.parallel.mesh import ParallelMesh
@@ -52,48 +51,6 @@ def build_replica_check(config: FaultsConfig, parallel: ParallelConfig, pmesh: P
     if config.sdc_check_interval == 0 or axis is None or pmesh.group(axis) is None:
         return None
     return ReplicaCheck(pmesh, axis, optimizer_states=config.sdc_check_optimizer)
-
-
-def _floating_tensors(tree: Mapping[str, Any] | list, prefix: str = ""):
-    items = tree.items() if isinstance(tree, Mapping) else enumerate(tree)
-    for key, value in items:
-        name = f"{prefix}{key}"
-        if isinstance(value, (Mapping, list, tuple)):
-            yield from _floating_tensors(dict(enumerate(value)) if isinstance(value, tuple)
-                                         else value, name + ".")
-        elif isinstance(value, torch.Tensor) and value.is_floating_point():
-            yield name, value.to_local() if hasattr(value, "to_local") else value
-
-
-def first_non_finite(tree: Mapping[str, Any]) -> str | None:
-    """Dotted name of the first floating tensor of ``tree`` (this rank's part of it) holding
-    NaN or inf, else None. One host sync for the whole tree: the per-tensor flags are reduced
-    on the device first."""
-    named = list(_floating_tensors(tree))
-    if not named:
-        return None
-    flags = torch.stack([torch.isfinite(t).all().to(named[0][1].device) for _, t in named])
-    if bool(flags.all()):  # the one host sync
-        return None
-    return named[int((~flags).nonzero()[0, 0])][0]
-
-
-def check_state_finite(state: Mapping[str, Any], step: int) -> dict[str, Any]:
-    """Materialise the Stateful tree ``state`` and raise `NonFiniteStateError` naming the first
-    tensor (on any rank) holding NaN/inf; returns the materialised tree. Collective."""
-    tree = {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in state.items()}
-    bad = first_non_finite(tree)
-    found = [bad]
-    if dist_on():
-        found = [None] * dist.get_world_size()
-        dist.all_gather_object(found, bad)
-    for bad_rank, name in enumerate(found):
-        if name:
-            raise NonFiniteStateError(
-                f"refusing to save step {step}: tensor {name} on rank {bad_rank} holds NaN or inf "
-                "values (the whole state is checked: model, optimizer, schedules, data)"
-            )
-    return tree
 
 
 def skipped_range(parts: RunParts, from_step: int, batches: int) -> tuple[int, int]:

@@ -103,7 +103,10 @@ def test_llama3_8b_rank_of_64_holds_and_draws_its_share_only():
     assert result["finite"]
     share_bytes = 4 * sum(expected.values())
     assert share_bytes == pytest.approx(0.502e9, rel=0.01)
-    assert result["peak_rss"] < share_bytes + 0.8 * GIB, result["peak_rss"] / GIB
+    # the process's whole peak: its share plus the interpreter, torch and the harness, which
+    # read 0.4 GiB alone and up to 0.9 GiB inside a loaded full test run; drawing every full
+    # tensor, the defect this guards, peaked at 5.2 GB
+    assert result["peak_rss"] < share_bytes + 1.0 * GIB, result["peak_rss"] / GIB
 
 
 @pytest.mark.slow
