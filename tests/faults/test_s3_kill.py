@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 import faultkit
 import pytest
 
+from densetrain.testing.sockets import pipe, shut
+
 _MISSING = [m for m in ("s3fs", "moto") if importlib.util.find_spec(m) is None]
 pytestmark = pytest.mark.skipif(
     bool(_MISSING), reason=f"{', '.join(_MISSING)} not installed (pip install -e '.[dev]')")
@@ -63,13 +65,13 @@ class _S3Proxy:
         upstream = None
         try:
             upstream = socket.create_connection(self.upstream)
-            threading.Thread(target=self._pipe, args=(upstream, client), daemon=True).start()
+            threading.Thread(target=pipe, args=(upstream, client), daemon=True).start()
             self._requests(client, upstream)
         except OSError:
             pass
         finally:
             for sock in (client, upstream):
-                _shut(sock)
+                shut(sock)
 
     def _requests(self, client: socket.socket, upstream: socket.socket) -> None:
         buffer = b""
@@ -102,28 +104,9 @@ class _S3Proxy:
             upstream.sendall(head + b"\r\n\r\n")
             buffer = _body(client, headers, buffer, upstream)
 
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (src, dst):
-                _shut(sock)
-
     def close(self) -> None:
         self.closing.set()
         self.server.close()
-
-
-def _shut(sock: socket.socket | None) -> None:
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
 
 def _body(client: socket.socket, headers: dict, buffer: bytes,

@@ -91,10 +91,18 @@ def _filesystem(url: str, field: str) -> tuple[Any, str]:
         raise RemoteDatasetError(f"{field} {url}: {err}") from None
 
 
-def _check_bucket(fs: Any, path: str, url: str, field: str) -> None:
+def _reachable(url: str, field: str) -> tuple[str, Any, str]:
+    """``url`` without a trailing slash, its filesystem and path, once the URL is well formed
+    and its bucket answers (else one `RemoteDatasetError` naming ``field`` and the URL)."""
+    problem = url_problem(field, url)
+    if problem is not None:
+        raise RemoteDatasetError(problem)
+    url = url.rstrip("/")
+    fs, path = _filesystem(url, field)
     problem = bucket_problem(fs, path, url, field)
     if problem is not None:
         raise RemoteDatasetError(problem)
+    return url, fs, path
 
 
 class ShardCache:
@@ -323,12 +331,7 @@ def open_remote_dataset(url: str, *, cache_dir: str = "",
                         field: str = "data.datasets") -> RemoteDataset:
     """Check ``url`` (one `RemoteDatasetError` naming it), read its ``meta.json``, tokenizer and
     document indexes into the local cache; shards are fetched on use."""
-    problem = url_problem(field, url)
-    if problem is not None:
-        raise RemoteDatasetError(problem)
-    url = url.rstrip("/")
-    fs, path = _filesystem(url, field)
-    _check_bucket(fs, path, url, field)
+    url, fs, path = _reachable(url, field)
     try:
         meta_bytes = fs.cat_file(f"{path}/{META_FILE}")
     except FileNotFoundError:
@@ -402,12 +405,7 @@ def prepare_to_url(prepare, inputs: list[str], url: str, *, overwrite: bool = Fa
     existing dataset there is refused unless ``overwrite``, which deletes its ``meta.json``
     first (it is not a dataset while the new files go up)."""
     field = "--output"
-    problem = url_problem(field, url)
-    if problem is not None:
-        raise RemoteDatasetError(problem)
-    url = url.rstrip("/")
-    fs, path = _filesystem(url, field)
-    _check_bucket(fs, path, url, field)
+    url, fs, path = _reachable(url, field)
     meta_path = f"{path}/{META_FILE}"
     fs.invalidate_cache()
     if fs.exists(meta_path) and not overwrite:

@@ -16,6 +16,7 @@ from densetrain.checkpoint import list_checkpoints
 from densetrain.cli.main import main
 from densetrain.errors import UserError
 from densetrain.testing.callbacks import InterruptAfter
+from densetrain.testing.sockets import pipe
 from densetrain.train import read_metrics, train
 
 _MISSING = [m for m in ("s3fs", "moto") if importlib.util.find_spec(m) is None]
@@ -167,21 +168,8 @@ class _FlakyProxy:
                 continue
             upstream = socket.create_connection(self.upstream)
             for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+                threading.Thread(target=pipe, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pipe(src, dst) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (src, dst):
-                try:
-                    sock.shutdown(2)
-                except OSError:
-                    pass
 
     def close(self) -> None:
         self.server.close()
