@@ -7,7 +7,8 @@ ones; `prune_checkpoints` keeps the newest k. `AsyncCheckpointer` writes in the 
 (async_save.py); `select_resume_checkpoint` verifies, sets damaged checkpoints aside and falls
 back (resume.py); `check_resume_config` refuses a changed model or data order (resume.py);
 `RunLock` keeps one run per directory (lock.py); `PreemptionHandler` turns SIGTERM/SIGINT into a
-save and a clean exit (preemption.py).
+save and a clean exit (preemption.py). `CheckpointSession` is all a training run does with its
+checkpoints, behind one object: schema and migrations, resume, saves, rollback (session.py).
 """
 
 from densetrain.checkpoint.manager import (
@@ -29,6 +30,7 @@ from densetrain.checkpoint.manager import (
 )
 from densetrain.checkpoint.manifest import Damage
 from densetrain.checkpoint.saving import save_checkpoint
+from densetrain.checkpoint.session import CheckpointSession, load_model_weights
 from densetrain.checkpoint.state import (
     ModelState,
     RNGState,
@@ -40,6 +42,7 @@ from densetrain.checkpoint.state import (
 __all__ = [
     "CheckpointDamagedError",
     "CheckpointError",
+    "CheckpointSession",
     "CheckpointShapeError",
     "Damage",
     "ModelState",
@@ -54,6 +57,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "load_model_weights",
     "prune_checkpoints",
     "read_checkpoint_config",
     "restore_rng_state",

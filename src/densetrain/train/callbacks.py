@@ -264,50 +264,44 @@ class Sampler(Callback):
 class Checkpointer(Callback):
     """Saves the Stateful tree every ``interval`` steps and after the last step.
 
-    [checkpoint call site] Saving goes through `densetrain.checkpoint.AsyncCheckpointer`
-    (background writes when ``async_save``; at most one in flight); the final save and the save
-    on a preemption signal (`on_preempt`) are waited for; `close` (called by `train` also after
-    an exception) waits for a save still in flight. A background save that has ended is
-    collected after every step (all ranks agree first), so its failure is reported at the next
-    step. A failed save (a full disk, say) then ends the run with one `CheckpointError` line
+    [checkpoint call site] Saving goes through the run's `densetrain.checkpoint
+    .CheckpointSession` (``parts.checkpoints``: background writes when ``checkpoint.async_save``;
+    at most one in flight; pruning to ``checkpoint.keep_last``); the final save and the save on a
+    preemption signal (`on_preempt`) are waited for; `close` (called by `train` also after an
+    exception) waits for a save still in flight. A background save that has ended is collected
+    after every step (all ranks agree first), so its failure is reported at the next step. A
+    failed save (a full disk, say) then ends the run with one `CheckpointError` line
     (``on_save_error="stop"``) or prints one warning line and trains on, the next save being
-    tried as usual (``"continue"``).
+    tried as usual (``"continue"``): that policy is the loop's, so it lives here.
 
     ``interval="auto"``: ``auto`` (an `AutoInterval`) chooses the cadence from the measured save
     stall, step time and failure history (checkpoint/interval.py).
     """
 
-    def __init__(self, *, interval: int | str, keep_last: int, save_final: bool,
-                 async_save: bool = False, timeout_s: float = 600.0,
-                 on_save_error: str = "stop", auto: Any = None) -> None:
+    def __init__(self, *, interval: int | str, save_final: bool, on_save_error: str = "stop",
+                 auto: Any = None) -> None:
         self.interval = interval
         self.auto = auto
-        self.keep_last = keep_last
         self.save_final = save_final
-        self.async_save = async_save
-        self.timeout_s = timeout_s
         self.on_save_error = on_save_error
         self.failed_saves: list[str] = []
         """The message of every save that failed and was passed over (``"continue"``)."""
-        self.writer: Any = None
-        self._device: Any = None
+        self.session: Any = None
         self._is_main = True
 
     def on_train_start(self, parts: RunParts, progress: Progress) -> None:
-        """Open the writer for the run's checkpoint directory."""
-        from densetrain.checkpoint.async_save import AsyncCheckpointer
-
-        self._device, self._is_main = parts.device, parts.is_main
-        self.writer = AsyncCheckpointer(
-            parts.checkpoint_dir, config_toml=parts.config_toml, keep_last=self.keep_last,
-            async_save=self.async_save, timeout_s=self.timeout_s,
-        )
+        """Open the session's writer for the run's checkpoint directory."""
+        if parts.checkpoints is None:
+            raise RuntimeError("the Checkpointer needs the run's checkpoint session "
+                               "(parts.checkpoints, built by train())")
+        self.session, self._is_main = parts.checkpoints, parts.is_main
+        self.session.open()
         if self.auto is not None:
             self.auto.start(parts, progress.step)
 
     def _guarded(self, action: Any) -> None:
-        """Run a writer ``action``; a failed save stops the run or is reported and passed over,
-        as ``on_save_error`` says (a state holding NaN/inf is never passed over)."""
+        """Run a session ``action``; a failed save stops the run or is reported and passed
+        over, as ``on_save_error`` says (a state holding NaN/inf is never passed over)."""
         from densetrain.checkpoint import CheckpointError, NonFiniteStateError
 
         try:
@@ -325,33 +319,16 @@ class Checkpointer(Callback):
                       "and the next save is tried as usual", file=sys.stderr, flush=True)
 
     def _save(self, parts: RunParts, progress: Progress, *, wait: bool = False) -> None:
-        from densetrain.checkpoint.saving import check_state_finite
-
-        self._guarded(self.writer.wait)  # the previous save's failure, before this save
-        # one state_dict() of the tree and one finiteness check (model, optimizer, anything
-        # with tensors; one host sync), which the writer then takes as done
-        tree = check_state_finite(parts.state_tree(progress), progress.step)
-        self._guarded(lambda: self.writer.save(progress.step, tree, checked=True))
-        if wait:
-            self._guarded(self.writer.wait)
+        self._guarded(self.session.wait)  # the previous save's failure, before this save
+        self._guarded(lambda: self.session.save(progress.step, wait=wait))
 
     def _collect_settled(self) -> None:
         """Collect a background save that has ended on every rank (its failure is raised or
         reported now); a save still being written is left alone."""
-        from densetrain.checkpoint import collective
-
-        if self.writer is None or not self.writer.has_pending:
+        if self.session is None or not self.session.has_pending:
             return
-        settled = self.writer.settled
-        if collective.dist_on():  # every rank collects at the same step
-            import torch
-            import torch.distributed as dist
-
-            flag = torch.tensor([1 if settled else 0], dtype=torch.int32, device=self._device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            settled = bool(flag.item())
-        if settled:
-            self._guarded(self.writer.wait)
+        if self.session.settled_everywhere():  # every rank collects at the same step
+            self._guarded(self.session.wait)
 
     def on_rollback(self, parts: RunParts, progress: Progress) -> None:
         """The checkpoints after the restored step were deleted; forget the newest one."""
@@ -384,7 +361,7 @@ class Checkpointer(Callback):
         if self.save_final:
             self._save(parts, progress, wait=True)
         else:
-            self._guarded(self.writer.wait)
+            self._guarded(self.session.wait)
         if self.auto is not None:
             self.auto.end("finished")
 
@@ -396,7 +373,7 @@ class Checkpointer(Callback):
 
     def summary(self) -> dict[str, Any]:
         """The newest complete checkpoint written by this process."""
-        last = self.writer.last_path if self.writer is not None else None
+        last = self.session.last_path if self.session is not None else None
         entries = {"checkpoint": str(last) if last is not None else ""}
         if self.auto is not None:
             entries.update(self.auto.summary())
@@ -404,14 +381,14 @@ class Checkpointer(Callback):
 
     def flush(self) -> None:
         """Wait until a save still being written is complete."""
-        if self.writer is not None:
-            self._guarded(self.writer.wait)
+        if self.session is not None:
+            self._guarded(self.session.wait)
 
     def close(self) -> None:
         """Wait for a save still in flight (also after an exception)."""
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        if self.session is not None:
+            self.session.close()
+            self.session = None
 
 
 class LossPlot(Callback):

@@ -19,16 +19,13 @@ import math
 import sys
 from collections.abc import Callable
 
-import torch.distributed as dist
-
-from densetrain.checkpoint import load_checkpoint
-from densetrain.checkpoint.manager import newest_at_most, remove_checkpoints_after
+from densetrain.checkpoint import CheckpointSession
 from densetrain.checkpoint.saving import check_state_finite, first_non_finite  # noqa: F401
 from densetrain.config.sections import FaultsConfig, parse_sequence_ranges
 from densetrain.parallel.config import ParallelConfig
 from densetrain.parallel.mesh import ParallelMesh
 from densetrain.train.evaluation import mean_over_ranks
-from densetrain.train.fault_record import append_history, dist_on, rank
+from densetrain.train.fault_record import append_history
 from densetrain.train.sdc import ReplicaCheck, replica_axis
 from densetrain.train.spikes import Spike, SpikeDetector
 from densetrain.train.state import Progress, RunParts, StepReport
@@ -149,7 +146,7 @@ class FaultGuard:
             raise RunFaultError(f"{reason}; faults.spike_action='stop' ends the run: {advice}")
         at_most = step - cfg.rollback_min_steps
         self.settle_checkpoints()
-        if newest_at_most(parts.checkpoint_dir, at_most) is None:
+        if _session(parts).newest_at_most(at_most) is None:
             missing = (f"no complete checkpoint of step <= {at_most} in {parts.checkpoint_dir} "
                        "to roll back to" if at_most > 0 else "too early for a checkpoint "
                        f"faults.rollback_min_steps={cfg.rollback_min_steps} steps before it")
@@ -225,7 +222,8 @@ class FaultGuard:
                 "raise schedule warmup or set optim.grad_clip"
             )
         self.settle_checkpoints()  # an async save in flight becomes visible (or fails) first
-        target = newest_at_most(parts.checkpoint_dir, at_most)
+        # find it, delete the later ones, load it (the record is kept), after-load hook
+        target = _session(parts).rollback(at_most)
         if target is None:
             raise RunFaultError(
                 f"{reason}; no complete checkpoint of step <= {at_most} in "
@@ -233,13 +231,6 @@ class FaultGuard:
                 f"{cfg.rollback_min_steps}), so the run stops"
             )
         to_step, path = target
-        remove_checkpoints_after(parts.checkpoint_dir, to_step, is_main=rank() == 0)
-        if dist_on():
-            dist.barrier()  # no rank loads while rank 0 still deletes
-        tree = parts.state_tree(progress, as_in=path)
-        tree.pop("faults", None)  # the record keeps what happened since that checkpoint
-        load_checkpoint(path, tree)
-        parts.optimizer.after_weights_loaded()
         skip = skipped_range(parts, to_step, cfg.rollback_skip_batches)
         record.add_skip(*skip)
         record.add_rollback(spike_step, to_step)
@@ -256,3 +247,10 @@ class FaultGuard:
             print(f"{reason}: rolled back to {path} (step {to_step}) and skipping sequences "
                   f"[{skip[0]}, {skip[1]}) ({cfg.rollback_skip_batches} batches)",
                   file=sys.stderr)
+
+
+def _session(parts: RunParts) -> CheckpointSession:
+    """The run's checkpoint session (built by `train` with the parts)."""
+    if parts.checkpoints is None:
+        raise RuntimeError("a rollback needs the run's checkpoint session (parts.checkpoints)")
+    return parts.checkpoints

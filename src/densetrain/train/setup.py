@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from densetrain.checkpoint import CheckpointError, ModelState, TrainerCounters, load_checkpoint
+from densetrain.checkpoint import CheckpointError, TrainerCounters, load_model_weights
 from densetrain.checkpoint.objstore import check_reachable, checkpoint_location, is_remote
 from densetrain.config.job import JobConfig
 from densetrain.errors import DamagedFileError, UserError, describe_error
@@ -73,9 +73,9 @@ def init_from(model: torch.nn.Module, source: str) -> None:
     """Initial weights from a densetrain model directory, a Hugging Face model directory or a
     densetrain training checkpoint (told apart as ``densetrain eval`` does: a ``config.json``
     with or without ``model_type``, else the newest training checkpoint there that verifies
-    against its manifest, `open_training_checkpoint`). Every bad source is a ``UserError``
-    (``DamagedFileError`` for damaged files) naming ``training.init_from`` and the path."""
-    from densetrain.checkpoint.reading import open_training_checkpoint
+    against its manifest, `checkpoint.load_model_weights`). Every bad source is a
+    ``UserError`` (``DamagedFileError`` for damaged files) naming ``training.init_from`` and
+    the path."""
     from densetrain.models.hf.native import is_model_dir
 
     field = f"training.init_from={source!r}"
@@ -90,14 +90,11 @@ def init_from(model: torch.nn.Module, source: str) -> None:
         raise UserError(f"{field} does not exist; give {INIT_SOURCES}")
     has_config = not remote and (path / "config.json").is_file()
     try:
-        found = None if has_config else open_training_checkpoint(path)
-        if not has_config and found is None:
-            raise UserError(f"{path} is not a model directory (no config.json) and holds no "
-                            f"training checkpoint; give {INIT_SOURCES}")
         if has_config:
             _init_from_model_dir(model, path, native=is_model_dir(path))
-        else:  # just verified: every file against the manifest
-            load_checkpoint(found.path, {"model": ModelState(model)}, verify=False)
+        elif load_model_weights(path, model) is None:
+            raise UserError(f"{path} is not a model directory (no config.json) and holds no "
+                            f"training checkpoint; give {INIT_SOURCES}")
     except (CheckpointError, ValueError, OSError) as err:  # UserError, DamagedFileError too
         kind = DamagedFileError if isinstance(err, DamagedFileError) else UserError
         raise kind(f"{field}: {describe_error(err)}") from err

@@ -1,8 +1,8 @@
 """The run's state, split by lifetime.
 
 - `RunParts`: what was built once from the job (the laid-out model, the optimizer, schedules,
-  data, device, the mesh, paths and sizes). Never replaced during the run (the fault record
-  it holds grows with rollbacks).
+  data, device, the mesh, paths and sizes, and the checkpoint session over them). Never
+  replaced during the run (the fault record it holds grows with rollbacks).
 - `Progress`: the checkpointed counters (``TrainerCounters``: optimizer steps taken and tokens
   consumed), restored on resume.
 - `StepReport`: what one step produced (loss, gradient norm, learning rate, timings and, on
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from densetrain.checkpoint import ModelState, RNGState, TrainerCounters
+from densetrain.checkpoint import CheckpointSession, TrainerCounters
 from densetrain.config.sections import TrainingConfig
 from densetrain.data.bundle import DataBundle
 from densetrain.models.config import ModelConfig
@@ -71,6 +71,10 @@ class RunParts:
     """The peak FLOP/s of one device that MFU divides by (re-probed when it reads low)."""
     fault_record: FaultRecord = field(default_factory=FaultRecord)
     """Skipped steps, rollbacks and skipped data ranges (checkpointed; train/faults.py)."""
+    checkpoints: CheckpointSession | None = None
+    """The run's checkpoints over these parts (schema, resume, saves, rollback): built by
+    `train` once the parts are (train/trainer.py `checkpoint_session`); the loop, the
+    `Checkpointer` and the `FaultGuard` use it."""
 
     @property
     def peak_flops(self) -> float:
@@ -91,48 +95,6 @@ class RunParts:
     def dp_size(self) -> int:
         """Data-parallel degree (ranks that read different sequences)."""
         return self.pmesh.dims.dp_size
-
-    def state_tree(self, progress: Progress, *, as_in: Path | None = None) -> dict[str, Any]:
-        """The Stateful tree one checkpoint covers; ``as_in`` a checkpoint to load: the tree
-        as that checkpoint holds it (one saved before the fault record existed has no
-        ``faults`` entry; one saved before the data's contents were recorded, no
-        ``data.content``)."""
-        tree = {
-            "model": ModelState(self.model.module),
-            "optim": self.optimizer,
-            "lr_schedule": self.scheduler,
-            "batch_schedule": self.batch_schedule,
-            "data": self.data.train,
-            "rng": RNGState(),
-            "trainer": progress,
-            "faults": self.fault_record,
-        }
-        if as_in is not None:
-            from densetrain.checkpoint.manager import checkpoint_keys
-            from densetrain.data.stream import CONTENT_KEY
-
-            stored = checkpoint_keys(as_in)
-            if not any(key.startswith("faults.") for key in stored):
-                del tree["faults"]  # no faults were recorded then
-            if f"data.{CONTENT_KEY}" not in stored:
-                tree["data"] = _DataStateBeforeContent(self.data.train)
-        return tree
-
-
-class _DataStateBeforeContent:
-    """The data stream's state as a checkpoint saved before contents were recorded holds it:
-    the same entries but ``content``, loaded (and checked) on those."""
-
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
-
-    def state_dict(self) -> dict:
-        from densetrain.data.stream import CONTENT_KEY
-
-        return {k: v for k, v in self.stream.state_dict().items() if k != CONTENT_KEY}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.stream.load_state_dict(state)
 
 
 @dataclass(kw_only=True)

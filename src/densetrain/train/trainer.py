@@ -17,7 +17,8 @@ One job, as the code runs it (docs/architecture.md has the package map)::
       acquire_run_lock, GoodputLedger, HangWatchdog,   checkpoint/lock.py, train/goodput.py,
         StragglerMonitor, PreemptionHandler              watchdog.py, stragglers.py,
                                                          checkpoint/preemption.py
-      resume(parts, progress)                          here; checkpoint/resume.py, manager.py
+      checkpoint_session(parts, progress, job)         here; checkpoint/session.py
+      resume(parts, progress)                          here; checkpoint/session.py, resume.py
       run_loop: prepare_batch → train_step → scheduler → FaultGuard (rollback?)
                 → evaluate? → callbacks (checkpoint interval: fixed or auto)
                                                        train/faults.py, callbacks.py,
@@ -35,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from densetrain.checkpoint import load_checkpoint
+from densetrain.checkpoint import CheckpointSession
 from densetrain.config.job import JobConfig
 from densetrain.errors import UserError, describe_error
 from densetrain.parallel.distributed import collective_step
@@ -61,10 +62,7 @@ def default_callbacks(job: JobConfig) -> list[Callback]:
     ]
     if job.checkpoint.enabled:
         callbacks.append(Checkpointer(interval=job.checkpoint.interval,
-                                      keep_last=job.checkpoint.keep_last,
                                       save_final=job.checkpoint.save_final,
-                                      async_save=job.checkpoint.async_save,
-                                      timeout_s=job.parallel.collective_timeout_s,
                                       on_save_error=job.checkpoint.on_save_error,
                                       auto=auto_interval(job.checkpoint)))
     if job.logging.plot:
@@ -171,56 +169,37 @@ class RunLoop:
         )
 
 
+def checkpoint_session(parts: RunParts, progress: Progress, job: JobConfig
+                       ) -> CheckpointSession:
+    """The run's `CheckpointSession` over its built parts and progress counters, saving as
+    ``[checkpoint]`` says (``keep_last``, ``async_save``; background collectives bounded by
+    ``parallel.collective_timeout_s``)."""
+    from densetrain.checkpoint import ModelState
+
+    return CheckpointSession(
+        model=ModelState(parts.model.module), optimizer=parts.optimizer,
+        lr_schedule=parts.scheduler, batch_schedule=parts.batch_schedule,
+        data=parts.data.train, progress=progress, faults=parts.fault_record,
+        directory=parts.checkpoint_dir, run_dir=parts.run_dir, config_toml=parts.config_toml,
+        keep_last=job.checkpoint.keep_last, async_save=job.checkpoint.async_save,
+        timeout_s=job.parallel.collective_timeout_s, is_main=parts.is_main,
+        after_load=parts.optimizer.after_weights_loaded, device=parts.device,
+    )
+
+
 def resume(parts: RunParts, progress: Progress, *, allow_config_change: bool = False) -> str:
     """Load the newest checkpoint that verifies into the run (if any); returns its path or "".
 
-    [checkpoint call site] Damaged newer checkpoints are reported and set aside
-    (`select_resume_checkpoint`); the saved config is compared with the run's first
-    (`check_resume_config`: a changed model or data order is refused unless
-    ``checkpoint.allow_config_change``).
+    [checkpoint call site] `CheckpointSession.resume` over ``parts.checkpoints`` (whose
+    progress counters are ``progress``): damaged newer checkpoints are reported and set aside,
+    the saved config is compared with the run's first (a changed model or data order is
+    refused unless ``checkpoint.allow_config_change``), and so is the optimizer's layout.
     """
-    from densetrain.checkpoint.resume import (
-        check_optimizer_layout,
-        check_resume_config,
-        select_resume_checkpoint,
-    )
-    from densetrain.data.stream import DataStateMismatchError
-
-    latest = select_resume_checkpoint(parts.checkpoint_dir, run_dir=parts.run_dir)
-    if latest is None:
-        return ""
-    check_resume_config(latest, parts.config_toml, allow_change=allow_config_change,
-                        run_dir=parts.run_dir, vocab_size=parts.model_cfg.vocab_size)
-    check_optimizer_layout(latest, parts.optimizer.checkpoint_layout)
-    tree = parts.state_tree(progress, as_in=latest)
-    try:
-        load_checkpoint(latest, tree, verify=False)  # verified just above
-    except DataStateMismatchError as error:
-        step = latest.name.removeprefix("step-").lstrip("0") or "0"
-        raise DataStateMismatchError(
-            f"cannot resume from checkpoint {latest} (step {step}): {error}") from error
-    parts.optimizer.after_weights_loaded()
-    if parts.is_main:
-        print(f"resumed from {latest} (step {progress.step})", file=sys.stderr)
-    _note_world_size_change(latest, len(tree["rng"].available_ranks or ()), parts, progress)
-    return str(latest)
-
-
-def _note_world_size_change(checkpoint, saved: int, parts: RunParts,
-                            progress: Progress) -> None:
-    """Print and record in ``run_history.jsonl`` a resume on another number of ranks than wrote
-    the checkpoint (DCP reshards it; an elastic restart on fewer nodes lands here). ``saved``:
-    the writers, counted by `load_checkpoint` from their per-rank generator entries."""
-    from densetrain.checkpoint.resume import append_history
-
-    if not saved or saved == parts.world_size:
-        return
-    if parts.is_main:
-        print(f"world size changed: checkpoint {checkpoint} was written by {saved} ranks, this "
-              f"run has {parts.world_size} (resharded on load)", file=sys.stderr)
-    append_history(parts.run_dir, {"event": "world_size_changed", "step": progress.step,
-                                   "from": saved, "to": parts.world_size,
-                                   "checkpoint": str(checkpoint)})
+    session = parts.checkpoints
+    assert session is not None and session.progress is progress, "train() builds the session"
+    return session.resume(allow_config_change=allow_config_change,
+                          vocab_size=parts.model_cfg.vocab_size, world_size=parts.world_size,
+                          optimizer_layout=parts.optimizer.checkpoint_layout)
 
 
 def summarize(parts: RunParts, progress: Progress, loop: RunLoop,
@@ -328,6 +307,7 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
     owns_process_group = not (dist.is_available() and dist.is_initialized())
     all_callbacks = default_callbacks(job) + list(callbacks or [])
     lock = None
+    parts: RunParts | None = None
     succeeded = False
     watchdog: HangWatchdog | None = None
     try:
@@ -335,6 +315,7 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
         _init_distributed(job)
         lock = acquire_run_lock(job.logging.run_dir)
         parts, progress = build_run(job)
+        parts.checkpoints = checkpoint_session(parts, progress, job)
         watchdog = start_watchdog(job.faults, rank=parts.rank, run_dir=parts.run_dir)
         ledger = GoodputLedger(parts.run_dir, write=parts.is_main, started=started)
         resumed_from = ""
@@ -374,6 +355,8 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
             watchdog.close()
         for callback in all_callbacks:
             callback.close()  # the Checkpointer waits for a save still in flight
+        if parts is not None and parts.checkpoints is not None:
+            parts.checkpoints.close()
         if lock is not None:
             lock.release()
         if owns_process_group:
@@ -387,7 +370,7 @@ def _shutdown_process_group(succeeded: bool) -> None:
     [checkpoint call site] After a successful run every rank first waits for the others (a
     barrier), so no rank tears down its connections while a peer still writes its summary or
     plot (a peer that exits early makes torchrun stop the others mid-write). The checkpoint
-    threads are already joined (`Checkpointer.close`). After an error there is no barrier (a
+    threads are already joined (`CheckpointSession.close`). After an error there is no barrier (a
     peer may be dead). Then every group is destroyed and the objects that still refer to them
     are collected while the interpreter is fully alive, not during its finalisation.
     """

@@ -50,7 +50,7 @@ def test_nan_in_optimizer_state_is_never_saved(make_job) -> None:
     job = make_job("--training.steps=4", "--checkpoint.enabled=false", "--eval.interval=0",
                    "--eval.sample_tokens=0", "--logging.plot=false")
     poison = _PoisonOptimizerState(at=3)
-    saver = Checkpointer(interval=3, keep_last=0, save_final=False)  # runs after the poison
+    saver = Checkpointer(interval=3, save_final=False)  # runs after the poison
     with pytest.raises(NonFiniteStateError,
                        match=r"refusing to save step 3: tensor optim\.") as err:
         train(job, callbacks=[poison, saver])
