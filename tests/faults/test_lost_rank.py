@@ -57,7 +57,9 @@ def _wait_for_step(ranks: list[subprocess.Popen], run_dir: Path, step: int) -> N
 
 def _named_step(message: str, rank: int, pid: int) -> int:
     pattern = (rf"rank {rank} of 2 \(host {re.escape(socket.gethostname())}, pid {pid}\) is "
-               rf"lost: last seen at step (\d+), no heartbeat for \d+\.\d s")
+               rf"lost: last seen at step (\d+)(, no heartbeat for \d+\.\d s|; its process "
+               rf"(is gone|exited|is stopped \(killed, so that the restart need not wait for "
+               rf"it\)))")
     found = re.search(pattern, message)
     assert found, message
     return int(found.group(1))
@@ -103,6 +105,9 @@ def test_a_stopped_rank_is_named_by_the_watchdog(fault_cache, tmp_path) -> None:
         start = time.monotonic()
         _, err = ranks[0].communicate(timeout=60)
         waited = time.monotonic() - start
+        # the survivor killed the stopped rank (a stopped process cannot act on the
+        # launcher's SIGTERM): nothing else would end it
+        fenced = ranks[1].wait(timeout=10)
     finally:
         for child in ranks:
             child.kill()
@@ -114,3 +119,5 @@ def test_a_stopped_rank_is_named_by_the_watchdog(fault_cache, tmp_path) -> None:
     named = _named_step(message, 1, ranks[1].pid)  # within heartbeat.MIN_GAP_S of its last
     assert max(1, stopped_after - 5) <= named <= stopped_after + 1, message[-500:]
     assert waited < 40  # far before the 120 s collective timeout
+    assert fenced == -signal.SIGKILL
+    assert "is stopped (killed, so that the restart need not wait for it)" in message

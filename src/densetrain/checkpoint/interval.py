@@ -127,6 +127,26 @@ def read_history_events(path: str | Path) -> list[dict[str, Any]]:
     return events
 
 
+def last_measured(events: Iterable[dict[str, Any]]) -> tuple[float, float] | None:
+    """(save stall s, step s) of the newest interval decided from measurements, when the
+    process that measured them ran at the world size of the newest ``process_start`` (the
+    process asking): a restarted process starts at the interval its predecessor had reached
+    instead of ``auto_initial_interval``. None when there is none or the world size changed."""
+    found, world, measured_world = None, None, None
+    for event in events:
+        kind = event.get("event")
+        if kind == PROCESS_START:
+            world = event.get("world_size")
+        elif kind == "checkpoint_interval":
+            stall, step = event.get("stall_s"), event.get("step_s")
+            if isinstance(stall, (int, float)) and isinstance(step, (int, float)) and (
+                    stall >= 0 and step > 0 and math.isfinite(stall) and math.isfinite(step)):
+                found, measured_world = (float(stall), float(step)), world
+    if found is None or measured_world is None or measured_world != world:
+        return None
+    return found
+
+
 @dataclass(frozen=True, kw_only=True)
 class IntervalDecision:
     """One choice of the interval and what it was computed from (None: not measured yet)."""
@@ -139,6 +159,8 @@ class IntervalDecision:
     prior_hours: float
     failures: int
     exposure_hours: float
+    carried: bool = False
+    """δ and the step time are those the previous process measured (`last_measured`)."""
 
     def record(self) -> dict[str, Any]:
         """The fields as one JSON-ready dict (the ``checkpoint_interval`` history event)."""
@@ -153,13 +175,16 @@ class IntervalDecision:
                     f"(checkpoint.auto_initial_interval) until a save stall is measured; {mtbf}")
         return (f"checkpoint.interval=auto: saving every {self.steps} steps: "
                 f"τ = √(2·δ·M) = {self.tau_s:.4g} s with δ = {self.stall_s:.4g} s save stall, "
-                f"{mtbf}, at {self.step_s:.4g} s/step (Young 1974, Daly 2006)")
+                f"{mtbf}, at {self.step_s:.4g} s/step"
+                f"{' (δ and step time as measured before the restart)' if self.carried else ''}"
+                " (Young 1974, Daly 2006)")
 
 
 def decide(*, stall_s: float | None, step_s: float | None, prior_hours: float, failures: int,
-           exposure_hours: float, initial: int, minimum: int) -> IntervalDecision:
+           exposure_hours: float, initial: int, minimum: int,
+           carried: bool = False) -> IntervalDecision:
     """The interval for a measured save stall and step time (``initial`` steps while either is
-    None), at least ``minimum`` steps."""
+    None), at least ``minimum`` steps; ``carried``: they come from the previous process."""
     mtbf = mtbf_hours(prior_hours, failures, exposure_hours)
     if stall_s is None or step_s is None:
         return IntervalDecision(steps=initial, stall_s=None, step_s=None, tau_s=None,
@@ -168,4 +193,4 @@ def decide(*, stall_s: float | None, step_s: float | None, prior_hours: float, f
     tau = young_interval_s(stall_s, mtbf * 3600.0)
     return IntervalDecision(steps=interval_steps(tau, step_s, minimum), stall_s=stall_s,
                             step_s=step_s, tau_s=tau, mtbf_hours=mtbf, prior_hours=prior_hours,
-                            failures=failures, exposure_hours=exposure_hours)
+                            failures=failures, exposure_hours=exposure_hours, carried=carried)

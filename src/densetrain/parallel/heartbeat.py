@@ -12,6 +12,15 @@ something goes wrong a rank reads every record twice, `OBSERVE_S` apart (`Heartb
 * else a rank whose counter moves but whose step is behind the others' is stuck in Python (its
   heartbeat thread still runs while its main thread does not reach the collective).
 
+A peer on this rank's own host needs no watching: its process, found by the pid of its record,
+is gone, a zombie or stopped (``/proc/<pid>/stat``), or alive, which the diagnosis reads at once
+(`local_state`), so a survivor on the host of a killed or stopped rank names it in milliseconds
+instead of `OBSERVE_S`. A stopped peer on this host is then killed (SIGKILL: `fence_stopped`):
+the launcher stops a failed group with SIGTERM and waits 30 s before its SIGKILL (torchrun's
+restart path does not take ``--shutdown-timeout``), and a stopped process cannot act on SIGTERM,
+so without it every restart after a hang waits those 30 s. The process killed is checked to be
+that rank of this job (its environment's ``RANK`` and ``MASTER_PORT``) before the signal.
+
 Every survivor reads the same store, so every survivor names the same rank. A rank that is
 itself reporting a failure marks its record ``reporting``; once it has exited, the others do
 not take it for the lost one. If the store does not answer, the process hosting it is gone:
@@ -27,9 +36,11 @@ step and building the record take. Nothing is read until a failure.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -86,11 +97,20 @@ class LostRank:
     beat: Beat | None
     now: float
     ahead_step: int = 0
+    fenced: bool = False
+    """The stopped process was killed by this rank (`fence_stopped`)."""
 
     def describe(self, world_size: int) -> str:
         if self.beat is None:
             return f"rank {self.rank} of {world_size} is lost: it never wrote a heartbeat"
         where = f"host {self.beat.host}, pid {self.beat.pid}"
+        if self.reason in (GONE, ZOMBIE, SUSPENDED):  # seen on this host's /proc
+            what = {GONE: "its process is gone", ZOMBIE: "its process exited",
+                    SUSPENDED: "its process is stopped"}[self.reason]
+            if self.fenced:
+                what += " (killed, so that the restart need not wait for it)"
+            return (f"rank {self.rank} of {world_size} ({where}) is lost: last seen at step "
+                    f"{self.beat.step}; {what}")
         if self.reason == "behind":
             return (f"rank {self.rank} of {world_size} ({where}) is stuck at step "
                     f"{self.beat.step} while others are at step {self.ahead_step} (its "
@@ -98,6 +118,57 @@ class LostRank:
         age = max(0.0, self.now - self.beat.time)
         return (f"rank {self.rank} of {world_size} ({where}) is lost: last seen at step "
                 f"{self.beat.step}, no heartbeat for {age:.1f} s")
+
+
+GONE, ZOMBIE, SUSPENDED, ALIVE = "gone", "zombie", "suspended", "alive"
+"""`local_state` verdicts (a rank blamed with one of the first three was seen in /proc)."""
+
+
+def local_state(pid: int) -> str:
+    """The state of process ``pid`` on this host: `GONE`, `ZOMBIE` (exited, not yet reaped),
+    `SUSPENDED` (SIGSTOP/SIGTSTP) or `ALIVE` (running, sleeping or in I/O), from
+    ``/proc/<pid>/stat``; `ALIVE` where /proc is not there to say otherwise."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return GONE
+    except OSError:
+        return ALIVE  # no /proc (not Linux) or not readable: no local verdict
+    state = stat.rsplit(")", 1)[-1].split()[:1]
+    if state == ["Z"] or state == ["X"]:
+        return ZOMBIE
+    if state == ["T"]:
+        return SUSPENDED
+    return ALIVE
+
+
+def _same_job_rank(pid: int, rank: int) -> bool:
+    """True when process ``pid`` is rank ``rank`` of this job: its environment's ``RANK``
+    and ``MASTER_PORT`` are this process's (a pid reused by another process fails this)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return False
+    env = dict(e.split(b"=", 1) for e in entries if b"=" in e)
+    port = os.environ.get("MASTER_PORT", "").encode()
+    return env.get(b"RANK") == str(rank).encode() and env.get(b"MASTER_PORT", b"") == port
+
+
+def fence_stopped(lost: LostRank) -> bool:
+    """SIGKILL the stopped process of ``lost`` (on this host, verified to be that rank of this
+    job) so that the restart need not wait the launcher's shutdown grace; True when killed."""
+    beat = lost.beat
+    if beat is None or lost.reason != SUSPENDED or not _same_job_rank(beat.pid, beat.rank):
+        return False
+    try:
+        os.kill(beat.pid, signal.SIGKILL)
+    except OSError:
+        return False
+    logger.warning("rank %d (pid %d) was stopped: killed it so the job can restart", beat.rank,
+                   beat.pid)
+    return True
 
 
 class StoreUnreachable(RuntimeError):
@@ -200,12 +271,33 @@ class Heartbeat:
         return beats
 
     def diagnose(self, observe_s: float = OBSERVE_S) -> list[LostRank]:
-        """The ranks to blame, watched for ``observe_s`` seconds (see the module)."""
+        """The ranks to blame: peers on this host whose process is gone or stopped at once
+        (`local_lost`), else those the records show stopped or behind over ``observe_s``
+        seconds (see the module)."""
         self.state = REPORTING
         first = self.read()
+        local = self.local_lost(first)
+        if local:
+            return local
         time.sleep(observe_s)
         second = self.read()
         return find_lost(first, second, self.world_size, self_rank=self.rank, now=time.time())
+
+    def local_lost(self, beats: dict[int, Beat]) -> list[LostRank]:
+        """The peers on this host (by their records' host and pid) whose process is gone, a
+        zombie or stopped; the stopped ones are killed (`fence_stopped`). A peer that was itself
+        reporting a failure and has exited is not blamed while another is."""
+        lost = []
+        for rank, beat in sorted(beats.items()):
+            if rank == self.rank or beat.host != self.host:
+                continue
+            state = local_state(beat.pid)
+            if state != ALIVE:
+                lost.append(LostRank(rank=rank, reason=state, beat=beat, now=time.time()))
+        running = [item for item in lost if item.beat.state != REPORTING]
+        lost = running or lost
+        return [dataclasses.replace(item, fenced=fence_stopped(item)) if item.reason == SUSPENDED
+                else item for item in lost]
 
     def explain(self, observe_s: float = OBSERVE_S) -> str:
         """One phrase naming the lost rank(s), or saying that no rank could be named."""

@@ -24,6 +24,7 @@ from densetrain.checkpoint.interval import (
     IntervalDecision,
     decide,
     failure_history,
+    last_measured,
     prior_mtbf_hours,
     read_history_events,
 )
@@ -53,24 +54,29 @@ class AutoInterval:
         self._is_main = True
 
     def start(self, parts: Any, step: int) -> None:
-        """Record this process's start, read the failure history (collective)."""
+        """Record this process's start, read the failure history and the stall and step time
+        the previous process measured at this world size (collective). With those, the first
+        interval is Young's at once, not ``auto_initial_interval`` (a fault soon after a
+        restart then costs an interval's steps, not the initial interval's)."""
         self._run_dir, self._device, self._is_main = parts.run_dir, parts.device, parts.is_main
         append_history(parts.run_dir, {"event": PROCESS_START, "step": step,
                                        "world_size": parts.world_size})
-        counts: list[Any] = [None]
+        found: list[Any] = [None]
         if collective.rank() == 0:
-            counts[0] = failure_history(read_history_events(parts.run_dir / HISTORY_FILE),
-                                        time.time())
+            events = read_history_events(parts.run_dir / HISTORY_FILE)
+            found[0] = (failure_history(events, time.time()), last_measured(events))
         if collective.dist_on():
             import torch.distributed as dist
 
-            dist.broadcast_object_list(counts, src=0)
-        self._failures, self._exposure_h = counts[0]
+            dist.broadcast_object_list(found, src=0)
+        (self._failures, self._exposure_h), measured = found[0]
+        stall, step_s = measured if measured is not None else (None, None)
         self._prior_h = prior_mtbf_hours(self.device_mtbf_hours, parts.world_size)
         self._started = time.monotonic()
-        self._adopt(step, decide(stall_s=None, step_s=None, prior_hours=self._prior_h,
+        self._adopt(step, decide(stall_s=stall, step_s=step_s, prior_hours=self._prior_h,
                                  failures=self._failures, exposure_hours=self._exposure_h,
-                                 initial=self.initial, minimum=self.minimum))
+                                 initial=self.initial, minimum=self.minimum,
+                                 carried=measured is not None))
 
     def end(self, outcome: str) -> None:
         """Record this process's clean end (``finished`` or ``preempted``)."""

@@ -10,6 +10,7 @@ from densetrain.checkpoint.interval import (
     decide,
     failure_history,
     interval_steps,
+    last_measured,
     mtbf_hours,
     prior_mtbf_hours,
     young_interval_s,
@@ -103,3 +104,16 @@ def test_config_refuses_out_of_range_values_in_one_line(override, message) -> No
 def test_config_accepts_auto_and_integers() -> None:
     assert load_job_config(None, ["--checkpoint.interval=auto"]).checkpoint.interval == "auto"
     assert load_job_config(None, ["--checkpoint.interval=25"]).checkpoint.interval == 25
+
+
+def test_last_measured_is_the_predecessors_newest_measurement_at_the_same_world_size() -> None:
+    start = {"event": "process_start", "world_size": 4}
+    initial = {"event": "checkpoint_interval", "stall_s": None, "step_s": None}
+    measured = {"event": "checkpoint_interval", "stall_s": 0.5, "step_s": 0.25}
+    newer = {"event": "checkpoint_interval", "stall_s": 0.75, "step_s": 0.5}
+    assert last_measured([start, initial, measured, newer, start, initial]) == (0.75, 0.5)
+    assert last_measured([start, initial]) is None  # nothing measured yet
+    shrunk = {"event": "process_start", "world_size": 2}
+    assert last_measured([start, measured, shrunk]) is None  # other ranks, other stall
+    torn = {"event": "checkpoint_interval", "stall_s": "x", "step_s": -1}
+    assert last_measured([start, measured, torn, start]) == (0.5, 0.25)

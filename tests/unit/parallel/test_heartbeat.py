@@ -14,10 +14,15 @@ import pytest
 import torch.distributed as dist
 
 from densetrain.parallel.heartbeat import (
+    ALIVE,
+    GONE,
     REPORTING,
+    SUSPENDED,
+    ZOMBIE,
     Beat,
     Heartbeat,
     find_lost,
+    local_state,
 )
 
 FAST = 0.1  # heartbeat interval of these tests (seconds)
@@ -133,3 +138,78 @@ def test_find_lost_prefers_a_silent_running_rank_over_one_that_reported() -> Non
     assert [x.rank for x in lost] == [2]
     second[2] = beat(2, 3)  # rank 2 beats: only the rank that reported and left is silent
     assert [x.rank for x in find_lost(first, second, 3, self_rank=0, now=104.0)] == [1]
+
+
+def _sleeper(**env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={**os.environ, **env})
+
+
+def test_local_state_reads_proc_for_a_real_process() -> None:
+    child = _sleeper()
+    try:
+        assert local_state(child.pid) == ALIVE
+        child.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while local_state(child.pid) != SUSPENDED and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert local_state(child.pid) == SUSPENDED
+        child.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while local_state(child.pid) != ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert local_state(child.pid) == ZOMBIE  # dead, not yet reaped
+    finally:
+        child.kill()
+        child.wait()
+    assert local_state(child.pid) == GONE
+
+
+def _record(store: dist.Store, rank: int, pid: int, step: int, state: str = "running") -> None:
+    beat = Beat(rank=rank, step=step, host=socket.gethostname(), pid=pid, time=time.time(),
+                count=1, state=state)
+    store.set(Heartbeat.key(rank), beat.encode())
+
+
+def test_a_peer_on_this_host_is_named_at_once_and_a_stopped_one_is_killed(
+        server, monkeypatch) -> None:
+    """Ranks 1 (killed) and 2 (stopped) are real processes of this host; rank 3 lives. The
+    diagnosis needs no observation window, and kills the stopped rank only when its environment
+    says it is that rank of this job."""
+    _, client = server
+    monkeypatch.setenv("MASTER_PORT", "29517")
+    killed = _sleeper(RANK="1", MASTER_PORT="29517")
+    stopped = _sleeper(RANK="2", MASTER_PORT="29517")
+    alive = _sleeper(RANK="3", MASTER_PORT="29517")
+    stranger = _sleeper(RANK="2", MASTER_PORT="1")  # another job's rank 2
+    me = Heartbeat(client(), rank=0, world_size=4, interval_s=FAST)
+    store = client()
+    try:
+        killed.kill()
+        killed.wait()
+        stopped.send_signal(signal.SIGSTOP)
+        stranger.send_signal(signal.SIGSTOP)
+        time.sleep(0.2)
+        for rank, child, step in ((1, killed, 7), (2, stopped, 8), (3, alive, 9)):
+            _record(store, rank, child.pid, step)
+        start = time.monotonic()
+        lost = me.diagnose(observe_s=30)  # would take 30 s without the local verdict
+        assert time.monotonic() - start < 5
+        assert [(x.rank, x.reason, x.beat.step, x.fenced) for x in lost] == [
+            (1, GONE, 7, False), (2, SUSPENDED, 8, True)]
+        assert stopped.wait(timeout=5) == -signal.SIGKILL
+        text = lost[1].describe(4)
+        assert text == (f"rank 2 of 4 (host {socket.gethostname()}, pid {stopped.pid}) is lost: "
+                        "last seen at step 8; its process is stopped (killed, so that the "
+                        "restart need not wait for it)")
+        # a stopped process that is not this job's rank is named but never killed
+        _record(store, 2, stranger.pid, 8)
+        lost = me.diagnose(observe_s=30)
+        assert [(x.rank, x.reason, x.fenced) for x in lost] == [(1, GONE, False),
+                                                                (2, SUSPENDED, False)]
+        assert local_state(stranger.pid) == SUSPENDED
+    finally:
+        me.close()
+        for child in (killed, stopped, alive, stranger):
+            child.kill()
+            child.wait()

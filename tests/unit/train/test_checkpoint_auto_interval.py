@@ -75,3 +75,17 @@ def test_auto_interval_follows_young_and_shrinks_with_failures(make_job, tmp_pat
     calm_mtbf_s = PRIOR_H * 3600
     calm_steps = round(math.sqrt(2 * stormy["stall_s"] * calm_mtbf_s) / stormy["step_s"])
     assert stormy["steps"] < calm_steps
+
+
+def test_a_restarted_process_starts_at_the_interval_its_predecessor_measured(make_job) -> None:
+    first = make_job(*JOB, run="restarted")
+    measured = train(first)["checkpoint_interval"]
+    run_dir = Path(first.logging.run_dir)
+    train(make_job(*JOB[1:], "--training.steps=18", run="restarted"))  # resumes, trains on
+    events = [json.loads(line) for line in
+              (run_dir / "run_history.jsonl").read_text().splitlines()]
+    second_start = max(i for i, e in enumerate(events) if e["event"] == "process_start")
+    opening = next(e for e in events[second_start:] if e["event"] == "checkpoint_interval")
+    assert opening["carried"] is True
+    assert (opening["stall_s"], opening["step_s"]) == (measured["stall_s"], measured["step_s"])
+    assert opening["steps"] == _young_steps(opening)  # Young's at once, not the initial 2
