@@ -15,6 +15,9 @@ with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (docs/reliability.md "Automatic re
   checkpoint at least ``faults.rollback_min_steps`` earlier and skips
   ``faults.rollback_skip_batches`` batches (recorded in ``run_history.jsonl``).
 
+The driver probes the CPU's peak once and pins it for every worker (``logging.peak_tflops``,
+`cpu_peak_tflops`), so restarted processes do not each probe it again.
+
 The lr override was chosen over a corrupted batch because it spikes the loss through the weights,
 as a real divergence does, without touching the data stream, so the reference run only has to skip
 the sequences the rollback skipped (``faults.skip_sequences``), not reproduce a corrupted batch.
@@ -223,6 +226,19 @@ def chaos(args, overrides, out: Path) -> tuple[list[dict], int, float, float]:
     return injected, agent.returncode, start, time.time()
 
 
+def cpu_peak_tflops() -> float:
+    """This CPU's fp32 matmul peak at 1 thread, probed once by the driver and pinned for every
+    worker (``logging.peak_tflops``), as a production job pins its device's peak (a GPU's
+    comes from densetrain's table at no cost): otherwise each restarted process spends ~0.6 s
+    probing the CPU again before its first step, a cost of CPU runs only."""
+    import torch
+
+    from densetrain.train.metrics import measure_cpu_peak_flops
+
+    torch.set_num_threads(1)
+    return measure_cpu_peak_flops("fp32") / 1e12
+
+
 def read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         return []
@@ -385,7 +401,8 @@ def main() -> int:
         sys.exit(f"{run_dir} or {out / 'reference'} exists: give a fresh --out")
     cache = out / "cache"
     overrides = MODEL + ["--parallel.dp_shard=2"] + faults_overrides(args) + [
-        f"--training.steps={steps}", f"--data.cache_dir={cache}"]
+        f"--training.steps={steps}", f"--data.cache_dir={cache}",
+        f"--logging.peak_tflops={cpu_peak_tflops():.6g}"]
     chaos_overrides = overrides + [f"--logging.run_dir={run_dir}",
                                    f"--checkpoint.interval={args.checkpoint_interval}"]
     if args.checkpoint_interval == "auto":
