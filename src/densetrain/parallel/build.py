@@ -29,34 +29,32 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from densetrain.models.config import ModelConfig
-from densetrain.parallel import layout_check
 from densetrain.parallel.config import ParallelConfig
 from densetrain.parallel.float8 import convert_blocks_to_float8
-from densetrain.parallel.layout_check import RunShape, require
+from densetrain.parallel.layout_check import layout_on_mesh, require
 from densetrain.parallel.mesh import ParallelDims, ParallelMesh
 from densetrain.parallel.model import LaidOutModel, model_loss_fn
+
+_MICROBATCH_RULES = ("batch_splits", "pp_microbatches_divide_batch",
+                     "pp_microbatches_fill_pipeline", "pp_interleaved_rounds")
+"""The rules a pipeline's microbatch count must pass (`parallel.layout_check`)."""
 
 
 def pipeline_microbatches(cfg: ParallelConfig, dims: ParallelDims, *, local_batch_size: int,
                           micro_batch_size: int) -> int:
-    """Pipeline microbatches per step (`layout_check.pipeline_microbatches`). Raises
-    ``UserError`` (the pipeline rules of ``parallel.layout_check``) when they do not
-    split the batch or fill the pipeline."""
-    fields = SimpleNamespace(pp=dims.pp, dp=dims.dp_size, pp_schedule=cfg.pp_schedule,
-                             pp_microbatches=cfg.pp_microbatches,
-                             micro_batch_size=micro_batch_size)
-    run = RunShape(seq_len=0, global_batch_size=local_batch_size * dims.dp_size,
-                   world_size=dims.world_size)
-    require(("batch_splits", "pp_microbatches_divide_batch", "pp_microbatches_fill_pipeline",
-             "pp_interleaved_rounds"), fields, run=run)
-    return int(layout_check.pipeline_microbatches(cfg.pp_microbatches, dims.pp, local_batch_size,
-                                                  micro_batch_size))
+    """Pipeline microbatches per step on ``dims`` with ``cfg``'s options, for a caller without
+    a run's layout (a run reads ``ResolvedLayout.microbatches``). Raises ``UserError`` (the
+    pipeline rules of ``parallel.layout_check``) when they do not split the batch or fill the
+    pipeline."""
+    layout = layout_on_mesh(dims, cfg, local_batch_size=local_batch_size,
+                            micro_batch_size=micro_batch_size)
+    require(_MICROBATCH_RULES, layout)
+    return layout.microbatches
 
 
 def build_model(
@@ -78,21 +76,23 @@ def build_model(
 
     ``loss_chunk_size`` selects the chunked output head (None: full logits). ``compute_dtype``
     is autocast's dtype (None: none): FSDP gathers parameters in it as ``fsdp_param_dtype``
-    says. Pipeline parallel needs ``local_batch_size`` and ``micro_batch_size`` to size its
-    microbatches. A ``float8_recipe`` runs the blocks' linear layers in float8
-    (`parallel.float8`). The meta-device model is laid out first; only its materialisation
-    and initialisation run inside ``materialize()`` (a dry run passes ``FakeTensorMode``, so
-    that the layout code, which reads the mesh's real rank tables, runs as in a real run).
+    says. The layout is the run's (``pmesh.layout``, checked where the run was built); on a
+    mesh without one (a direct call) it is the mesh's degrees with ``parallel_cfg``'s options,
+    and the rules this builder relies on are checked here: then pipeline parallel needs
+    ``local_batch_size`` and ``micro_batch_size`` to size its microbatches. A
+    ``float8_recipe`` runs the blocks' linear layers in float8 (`parallel.float8`). The
+    meta-device model is laid out first; only its materialisation and initialisation run inside
+    ``materialize()`` (a dry run passes ``FakeTensorMode``, so that the layout code, which
+    reads the mesh's real rank tables, runs as in a real run).
     """
     from densetrain.models import Transformer
     from densetrain.parallel.parallelize import fsdp_gather_dtype, init_weights, parallelize
 
     gather = fsdp_gather_dtype(parallel_cfg, compute_dtype)
     chunk = loss_chunk_size if loss_chunk_size and loss_chunk_size > 0 else None
-    if float8_recipe:
-        require(("float8_without_tp",), SimpleNamespace(tp=pmesh.dims.tp), model_cfg,
-                RunShape(seq_len=0, global_batch_size=0, world_size=pmesh.dims.world_size,
-                         float8=True))
+    if float8_recipe and pmesh.layout is None:
+        require(("float8_without_tp",), layout_on_mesh(pmesh.dims, parallel_cfg, float8=True),
+                model_cfg)
     if pmesh.dims.pp > 1:
         return _build_pipelined(model_cfg, parallel_cfg, pmesh, device=device, seed=seed,
                                 compile=compile, local_batch_size=local_batch_size,
@@ -128,21 +128,22 @@ def _build_pipelined(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, pmesh
     from densetrain.models import Transformer
     from densetrain.parallel.pipeline import PipelinedModel, bubble_fraction, build_pipeline
 
-    dims = pmesh.dims
-    fields = SimpleNamespace(pp=dims.pp, zero_stage=parallel_cfg.zero_stage,
-                             pp_schedule=parallel_cfg.pp_schedule)
-    require(("pp_needs_zero3", "pp_without_compile", "pp_tied_without_zbv"), fields, model_cfg,
-            RunShape(seq_len=0, global_batch_size=0, world_size=dims.world_size,
-                     compile=compile))
-    if local_batch_size is None or micro_batch_size is None:
-        raise ValueError("pipeline parallel needs the rank's batch and micro-batch sizes")
-    count = pipeline_microbatches(parallel_cfg, dims, local_batch_size=local_batch_size,
-                                  micro_batch_size=micro_batch_size)
+    layout = pmesh.layout
+    if layout is None:  # a direct call: check what this builder relies on
+        layout = layout_on_mesh(pmesh.dims, parallel_cfg, model_cfg, compile=compile,
+                                local_batch_size=local_batch_size or 0,
+                                micro_batch_size=micro_batch_size or 0)
+        require(("pp_needs_zero3", "pp_without_compile", "pp_tied_without_zbv"), layout,
+                model_cfg)
+        if local_batch_size is None or micro_batch_size is None:
+            raise ValueError("pipeline parallel needs the rank's batch and micro-batch sizes")
+        require(_MICROBATCH_RULES, layout)
+    count = layout.microbatches
     cfg = parallel_cfg
     if dist.get_rank() == 0:
-        print(f"pipeline: {dims.pp} stages x {cfg.pp_virtual_stages} virtual, schedule "
-              f"{cfg.pp_schedule}, {count} microbatches; bubble fraction (p-1)/(v*m+p-1) = "
-              f"{bubble_fraction(dims.pp, count, cfg.pp_virtual_stages):.3f} "
+        print(f"pipeline: {layout.pp} stages x {layout.pp_virtual_stages} virtual, schedule "
+              f"{layout.pp_schedule}, {count} microbatches; bubble fraction (p-1)/(v*m+p-1) = "
+              f"{bubble_fraction(layout.pp, count, layout.pp_virtual_stages):.3f} "
               "(Narayanan et al. 2021)", file=sys.stderr)
 
     def make_stage() -> torch.nn.Module:

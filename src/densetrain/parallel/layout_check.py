@@ -2,14 +2,19 @@
 
 Every rule is a predicate over the layout's degrees and options, the model's architecture and
 the run's shape (sequence length, batch, world size, compile, document masking), plus the
-sentence a user sees when it is violated. The same predicates serve two callers:
+sentence a user sees when it is violated. A layout is resolved once (`resolve_layout`: the
+frozen `ResolvedLayout` of degrees, data-parallel kind, microbatches, kv split, batch sizes),
+and the same predicates serve its callers:
 
-- `check_layout(parallel, model, ...)` evaluates them on one ``ParallelConfig`` and returns the
-  reasons it cannot run (empty: runnable) — for job validation (``config.rules.validate_job``,
-  which the trainer runs before any process group starts);
-- `require(names, fields, ...)` raises the reason of the named rules — the guard of a builder
-  called directly with only its part of a layout (``data_parallel_kind``,
-  ``apply_tensor_parallel``, the pipeline builders);
+- `check_layout(parallel, model, ...)` resolves one ``ParallelConfig`` and returns the reasons
+  it cannot run (empty: runnable) — for job validation (``config.rules.validate_job``, which
+  the trainer runs before any process group starts); `layout_reasons(layout, model)` checks a
+  `ResolvedLayout` (the trainer's, once, where the run is built:
+  ``ParallelMesh.with_layout``), after which the builders read the layout and check nothing;
+- `require(names, layout, ...)` raises the reason of the named rules — the guard of a builder
+  called directly, without a checked layout (``data_parallel_kind``,
+  ``apply_tensor_parallel``, the pipeline builders), on the layout of what it was handed
+  (`layout_on_mesh`, `degrees_layout`);
 - `runnable_mask(columns, model, ...)` evaluates them elementwise on numpy columns of many
   layouts at once — for the planner's search, so that it never advises a layout this module
   refuses.
@@ -385,8 +390,127 @@ def _launch_hint(world_size: int, needed: int) -> str:
             f"--nproc-per-node={needed} -m densetrain train ...`")
 
 
-_LAYOUT_FIELDS = ("dp_replicate", "tp", "pp", "cp", "zero_stage", "sequence_parallel",
-                  "pp_schedule", "pp_microbatches", "pp_virtual_stages")
+@dataclass(frozen=True, kw_only=True)
+class ResolvedLayout:
+    """One layout, resolved once for one run: its degrees (``dp_shard`` resolved), its options
+    and every number derived from them, each by its one definition in this module. The builders
+    (`parallel.build.build_model`, `parallel.parallelize.parallelize`, the optimizer builder,
+    the pipeline builder, `train.sdc.replica_axis`) read these fields instead of deriving them
+    again; the rules (`RULES`) read them too, so `layout_reasons` checks this very object.
+
+    Made by `resolve_layout` (a config on a world) or `layout_on_mesh` (the degrees of a mesh
+    and a config's options, for a builder called directly); a run attaches its checked one to
+    its mesh (`parallel.mesh.ParallelMesh.with_layout`).
+    """
+
+    world_size: int
+    dp_replicate: int
+    dp_shard: int
+    """Resolved: never -1."""
+    cp: int
+    tp: int
+    pp: int
+    pp_virtual_stages: int
+    zero_stage: int
+    sequence_parallel: bool
+    pp_schedule: str
+    pp_microbatches: int
+    """As configured (0: the default of `pipeline_microbatches`); the count is `microbatches`."""
+    pp_layer_split: tuple[int, ...]
+    """Layers per stage as configured (empty: balanced, `parallel.pipeline.layer_split`)."""
+    data_parallel: DataParallelKind
+    local_batch: int
+    """Sequences per data-parallel rank per step (global batch over dp)."""
+    micro_batch_size: int
+    """Sequences per micro-batch (0: still to be derived; the rules that read it are skipped)."""
+    microbatches: int
+    """Pipeline microbatches per step (`pipeline_microbatches`; with pp = 1 the number of
+    micro-batches the rank's batch splits into)."""
+    kv_split: int | None
+    """Ways tensor parallelism splits the kv heads (`kv_split`); None without a model."""
+    run: RunShape
+    """The run the layout serves (sequence length, global batch, world, switches)."""
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ranks that read different batches (dp_replicate x dp_shard)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks that FSDP or ZeRO shard over (dp_shard x cp)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages over all pp ranks (pp x pp_virtual_stages)."""
+        return self.pp * self.pp_virtual_stages
+
+
+def resolve_layout(parallel_cfg: Any, model_cfg: Any, *, world_size: int, seq_len: int,
+                   global_batch_size: int, micro_batch_size: int, compile: bool = False,
+                   document_masking: bool = False, batch_ramp: bool = False,
+                   float8: bool = False) -> ResolvedLayout:
+    """The `ResolvedLayout` of ``parallel_cfg`` (a ``ParallelConfig``) training ``model_cfg``
+    (None: no kv split) on ``world_size`` ranks. Pure: it checks nothing but the degrees
+    (``UserError`` when they do not fit the world, `resolve_dp_shard`); `layout_reasons` says
+    whether the trainer runs it."""
+    dp_shard, problem = resolve_dp_shard(parallel_cfg, world_size)
+    if problem:
+        raise UserError(problem)
+    return _resolved(parallel_cfg, model_cfg, dp_replicate=parallel_cfg.dp_replicate,
+                     dp_shard=dp_shard, cp=parallel_cfg.cp, tp=parallel_cfg.tp,
+                     pp=parallel_cfg.pp,
+                     run=RunShape(seq_len=seq_len, global_batch_size=global_batch_size,
+                                  world_size=world_size, compile=compile,
+                                  document_masking=document_masking, batch_ramp=batch_ramp,
+                                  float8=float8),
+                     micro_batch_size=micro_batch_size)
+
+
+def layout_on_mesh(dims: Any, parallel_cfg: Any, model_cfg: Any = None, *,
+                   local_batch_size: int = 0, micro_batch_size: int = 0, compile: bool = False,
+                   float8: bool = False) -> ResolvedLayout:
+    """The layout a builder called directly lays out: the degrees of ``dims`` (a
+    ``ParallelDims``, already resolved) with ``parallel_cfg``'s options, serving
+    ``local_batch_size`` sequences per data-parallel rank (0: unknown). Unchecked: the builder
+    requires the rules it relies on (`require`)."""
+    run = RunShape(seq_len=0, global_batch_size=local_batch_size * dims.dp_size,
+                   world_size=dims.world_size, compile=compile, float8=float8)
+    return _resolved(parallel_cfg, model_cfg, dp_replicate=dims.dp_replicate,
+                     dp_shard=dims.dp_shard, cp=dims.cp, tp=dims.tp, pp=dims.pp, run=run,
+                     micro_batch_size=micro_batch_size)
+
+
+def degrees_layout(model_cfg: Any = None, **degrees: int) -> ResolvedLayout:
+    """The layout of ``degrees`` alone (every other degree 1, default options, no batch): what
+    a builder handed one sub-mesh or a stage count lays out (`apply_tensor_parallel`'s tp mesh,
+    `parallel.pipeline.layer_split`'s stages, the planner's tp), for the rules of that part."""
+    from densetrain.parallel.config import ParallelConfig
+
+    cfg = ParallelConfig(**{"dp_shard": 1, **degrees})
+    world = cfg.dp_replicate * cfg.dp_shard * cfg.cp * cfg.tp * cfg.pp
+    return resolve_layout(cfg, model_cfg, world_size=world, seq_len=0, global_batch_size=0,
+                          micro_batch_size=0)
+
+
+def _resolved(cfg: Any, model: Any, *, dp_replicate: int, dp_shard: int, cp: int, tp: int,
+              pp: int, run: RunShape, micro_batch_size: int) -> ResolvedLayout:
+    local = run.global_batch_size // (dp_replicate * dp_shard)
+    return ResolvedLayout(
+        world_size=run.world_size, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp,
+        pp=pp, pp_virtual_stages=cfg.pp_virtual_stages, zero_stage=cfg.zero_stage,
+        sequence_parallel=cfg.sequence_parallel, pp_schedule=cfg.pp_schedule,
+        pp_microbatches=cfg.pp_microbatches, pp_layer_split=tuple(cfg.pp_layer_split),
+        data_parallel=DataParallelKind.of(dp_replicate=dp_replicate, fsdp_size=dp_shard * cp,
+                                          zero_stage=cfg.zero_stage),
+        local_batch=local, micro_batch_size=micro_batch_size,
+        microbatches=int(pipeline_microbatches(cfg.pp_microbatches, pp, local,
+                                               micro_batch_size)),
+        kv_split=None if model is None else int(kv_split(model.num_kv_heads, tp)),
+        run=run)
+
+
 _SAFE_ON_PART_OF_DP = ("batch_splits",)
 """Rules that may be checked on a known part of the data-parallel degree (``dp_shard=-1``
 with no world size yet): a batch that does not split over part of dp does not split over all."""
@@ -397,7 +521,8 @@ def check_layout(parallel: Any, model: Any, *, seq_len: int, global_batch_size: 
                  document_masking: bool = False, batch_ramp: bool = False,
                  float8: bool = False) -> list[str]:
     """Why ``parallel`` (a ``ParallelConfig``) cannot train ``model`` (a ``ModelConfig``) on
-    this run; an empty list when the trainer runs it. One sentence per violated rule.
+    this run; an empty list when the trainer runs it. One sentence per violated rule: the
+    `layout_reasons` of its `resolve_layout`.
 
     ``world_size`` None (a config inspected away from its cluster): with ``dp_shard=-1`` the
     rules that depend on the data-parallel degree are skipped, except those a known part of
@@ -408,22 +533,33 @@ def check_layout(parallel: Any, model: Any, *, seq_len: int, global_batch_size: 
     if world_size is None:
         world_size = (parallel.dp_replicate * max(parallel.dp_shard, 1) * parallel.cp
                       * parallel.tp * parallel.pp)
-    dp_shard, problem = resolve_dp_shard(parallel, world_size)
-    if problem:
-        return [problem]
-    fields = SimpleNamespace(**{k: getattr(parallel, k) for k in _LAYOUT_FIELDS},
-                             dp_shard=dp_shard, micro_batch_size=max(micro_batch_size, 1),
-                             dp=parallel.dp_replicate * dp_shard)
-    run = RunShape(seq_len=seq_len, global_batch_size=global_batch_size, world_size=world_size,
-                   compile=compile, document_masking=document_masking, batch_ramp=batch_ramp,
-                   float8=float8)
+    try:
+        layout = resolve_layout(parallel, model, world_size=world_size, seq_len=seq_len,
+                                global_batch_size=global_batch_size,
+                                micro_batch_size=micro_batch_size, compile=compile,
+                                document_masking=document_masking, batch_ramp=batch_ramp,
+                                float8=float8)
+    except UserError as err:  # the degrees do not fit the world
+        return [str(err)]
+    return _reasons(layout, model, unresolved=unresolved)
+
+
+def layout_reasons(layout: ResolvedLayout, model: Any) -> list[str]:
+    """Why the trainer cannot run ``layout`` with ``model``: every rule on the resolved layout
+    and its run, then the explicit layer split (empty: it runs). A ``micro_batch_size`` of 0
+    skips the rules that read it."""
+    return _reasons(layout, model, unresolved=False)
+
+
+def _reasons(layout: ResolvedLayout, model: Any, *, unresolved: bool) -> list[str]:
+    run = layout.run
     skip = ({"dp", "dp_shard"} if unresolved else set()) | (
-        {"micro_batch_size"} if micro_batch_size <= 0 else set())
-    reasons = [rule.reason(fields, model, run) for rule in RULES
+        {"micro_batch_size"} if layout.micro_batch_size <= 0 else set())
+    reasons = [rule.reason(layout, model, run) for rule in RULES
                if _applies(rule, model, run, skip, unresolved)
-               and rule.violated(fields, model, run)]
-    stages = parallel.pp * parallel.pp_virtual_stages
-    return reasons + layer_split_reasons(parallel.pp_layer_split, stages, model.num_layers)
+               and rule.violated(layout, model, run)]
+    return reasons + layer_split_reasons(list(layout.pp_layer_split), layout.num_stages,
+                                         model.num_layers)
 
 
 def _applies(rule: Rule, model: Any, run: RunShape, skip: set[str], unresolved: bool) -> bool:
@@ -436,9 +572,10 @@ def _applies(rule: Rule, model: Any, run: RunShape, skip: set[str], unresolved: 
 
 def require(names: tuple[str, ...], fields: Any, model: Any = None,
             run: RunShape | None = None) -> None:
-    """Raise ``UserError`` with the reason of the first rule in ``names`` that ``fields``
-    breaks: the runtime guard of a builder that is handed only part of a layout (its own
-    degrees and options), stated by the same rules as `check_layout`."""
+    """Raise ``UserError`` with the reason of the first rule in ``names`` that ``fields`` (a
+    `ResolvedLayout`, whose own ``run`` serves when ``run`` is None) breaks: the runtime guard
+    of a builder called directly, outside a run whose layout `layout_reasons` checked, stated
+    by the same rules as `check_layout`."""
     reasons = rule_reasons(names, fields, model, run)
     if reasons:
         raise UserError(reasons[0])
@@ -447,6 +584,8 @@ def require(names: tuple[str, ...], fields: Any, model: Any = None,
 def rule_reasons(names: tuple[str, ...], fields: Any, model: Any = None,
                  run: RunShape | None = None) -> list[str]:
     """The reasons of the rules in ``names`` (in that order) that ``fields`` breaks."""
+    if run is None:
+        run = getattr(fields, "run", None)
     by_name = {rule.name: rule for rule in RULES}
     return [by_name[name].reason(fields, model, run) for name in names
             if by_name[name].violated(fields, model, run)]

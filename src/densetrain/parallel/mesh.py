@@ -17,11 +17,14 @@ degree is 1.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from densetrain.errors import UserError
 from densetrain.parallel.config import ParallelConfig
+
+if TYPE_CHECKING:
+    from densetrain.parallel.layout_check import ResolvedLayout
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FLATTENED_AXES = {
@@ -123,6 +126,23 @@ class ParallelMesh:
 
     dims: ParallelDims
     device_mesh: Any
+    layout: ResolvedLayout | None = None
+    """The run's resolved layout, checked against its model (`with_layout`), which the builders
+    read; None for a mesh handed to a builder directly (each builder then checks its part)."""
+
+    def with_layout(self, layout: ResolvedLayout, model_cfg: Any) -> ParallelMesh:
+        """This mesh carrying ``layout`` (of these degrees) once `layout_check.layout_reasons`
+        finds nothing against it with ``model_cfg``; ``UserError`` with the first reason
+        otherwise. The one check of a run's layout: the builders that read it check nothing."""
+        from densetrain.parallel.layout_check import layout_reasons
+
+        degrees = tuple(getattr(layout, a) for a in (*MESH_AXES, "world_size"))
+        if degrees != tuple(getattr(self.dims, a) for a in (*MESH_AXES, "world_size")):
+            raise ValueError(f"the layout's degrees {degrees} are not this mesh's {self.dims}")
+        reasons = layout_reasons(layout, model_cfg)
+        if reasons:
+            raise UserError(reasons[0])
+        return replace(self, layout=layout)
 
     def submesh(self, name: str):
         """The sub-mesh for axis ``name`` (a mesh or flattened axis), or None if its degree is 1."""

@@ -17,24 +17,37 @@ from densetrain.optim.interface import StandardOptimizer, TrainingOptimizer
 from densetrain.parallel.checkpointing import apply_activation_checkpointing
 from densetrain.parallel.compile import apply_compile
 from densetrain.parallel.config import ParallelConfig
-from densetrain.parallel.layout_check import DataParallelKind
+from densetrain.parallel.layout_check import (
+    DataParallelKind,
+    ResolvedLayout,
+    layout_on_mesh,
+    require,
+)
 from densetrain.parallel.mesh import ParallelDims, ParallelMesh
 
 
 def data_parallel_kind(dims: ParallelDims, cfg: ParallelConfig) -> DataParallelKind:
-    """How gradients are synchronised (`layout_check.DataParallelKind`).
+    """How gradients are synchronised (`layout_check.DataParallelKind`) on ``dims`` with
+    ``cfg``'s ZeRO stage, for a caller without a run's layout (`mesh_layout`).
 
     Raises ``UserError`` (the data-parallel rules of ``parallel.layout_check``) for a
     combination the trainer does not compose, so a direct caller cannot get one silently."""
-    from types import SimpleNamespace
+    return _data_parallel_layout(dims, cfg).data_parallel
 
-    from densetrain.parallel.layout_check import require
 
-    fields = SimpleNamespace(dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=dims.cp,
-                             tp=dims.tp, pp=dims.pp, zero_stage=cfg.zero_stage)
-    require(("ddp_without_tp_pp", "zero12_pure_dp"), fields)
-    return DataParallelKind.of(dp_replicate=dims.dp_replicate, fsdp_size=dims.fsdp_size,
-                               zero_stage=cfg.zero_stage)
+def mesh_layout(pmesh: ParallelMesh, cfg: ParallelConfig) -> ResolvedLayout:
+    """The layout on ``pmesh``: the run's resolved layout (checked where the run was built,
+    `ParallelMesh.with_layout`), or for a mesh handed over directly the layout of its degrees
+    with ``cfg``'s options, its data-parallel rules checked (`data_parallel_kind`)."""
+    if pmesh.layout is not None:
+        return pmesh.layout
+    return _data_parallel_layout(pmesh.dims, cfg)
+
+
+def _data_parallel_layout(dims: ParallelDims, cfg: ParallelConfig) -> ResolvedLayout:
+    layout = layout_on_mesh(dims, cfg)
+    require(("ddp_without_tp_pp", "zero12_pure_dp"), layout)
+    return layout
 
 
 def parallelize(
@@ -44,16 +57,17 @@ def parallelize(
     """Apply TP/SP → CP → AC → compile → FSDP/DDP to ``model`` (a Transformer or pipeline stage).
 
     Works in place and returns ``model``. On one process only activation checkpointing and
-    compile apply. Weights are initialised afterwards with `init_weights`. ``gather_dtype``:
-    the dtype FSDP gathers parameters in (None: their own, fp32; `fsdp_gather_dtype`).
+    compile apply. The data-parallel kind is the run's layout's (`mesh_layout`); a run's
+    checked layout (``pmesh.layout``) spares the tensor-parallel guard. Weights are initialised
+    afterwards with `init_weights`. ``gather_dtype``: the dtype FSDP gathers parameters in
+    (None: their own, fp32; `fsdp_gather_dtype`).
     """
     dims = pmesh.dims
     if dims.tp > 1:
         from densetrain.parallel.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(
-            model, pmesh.submesh("tp"), sequence_parallel=cfg.sequence_parallel
-        )
+        apply_tensor_parallel(model, pmesh.submesh("tp"), sequence_parallel=cfg.sequence_parallel,
+                              layout=pmesh.layout)
     if dims.cp > 1:
         from densetrain.parallel.context import apply_context_parallel
 
@@ -61,7 +75,7 @@ def parallelize(
     apply_activation_checkpointing(model, cfg.activation_checkpointing, every=cfg.ac_every)
     if compile:
         apply_compile(model)
-    kind = data_parallel_kind(dims, cfg)
+    kind = mesh_layout(pmesh, cfg).data_parallel
     if kind in (DataParallelKind.FSDP, DataParallelKind.HSDP):
         from densetrain.parallel.fsdp import apply_fsdp
 
@@ -98,14 +112,16 @@ def build_optimizer(
     param_groups: list | None = None,
 ) -> TrainingOptimizer:
     """The `TrainingOptimizer` of a parallelized ``module``: ``optimizer_factory(param_groups)``
-    over its parameters, or for ZeRO-1/2 a ``ZeroOptimizer`` that runs it on this rank's chunks.
-    Pipeline stages sum their gradient norms over the pp group."""
+    over its parameters, or for ZeRO-1/2 (the data-parallel kind and ZeRO stage of the run's
+    layout, `mesh_layout`) a ``ZeroOptimizer`` that runs it on this rank's chunks. Pipeline
+    stages sum their gradient norms over the pp group."""
     groups = param_groups if param_groups is not None else list(module.parameters())
-    if data_parallel_kind(pmesh.dims, cfg) is DataParallelKind.ZERO12:
+    layout = mesh_layout(pmesh, cfg)
+    if layout.data_parallel is DataParallelKind.ZERO12:
         from densetrain.parallel.zero import ZeroOptimizer
 
         return ZeroOptimizer(groups, optimizer_factory, group=pmesh.group("dp_shard"),
-                             stage=cfg.zero_stage)
+                             stage=layout.zero_stage)
     groups = split_by_tensor_kind(groups)
     return StandardOptimizer(module, optimizer_factory(groups), norm_group=pmesh.group("pp"))
 

@@ -34,7 +34,12 @@ from torch import nn
 from densetrain.errors import UserError
 from densetrain.models.loss import LossOutput
 from densetrain.parallel.config import ParallelConfig
-from densetrain.parallel.layout_check import layer_split_reasons, require
+from densetrain.parallel.layout_check import (
+    degrees_layout,
+    layer_split_reasons,
+    layout_on_mesh,
+    require,
+)
 from densetrain.parallel.mesh import ParallelMesh
 
 _SINGLE_STAGE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
@@ -53,7 +58,7 @@ def layer_split(num_layers: int, num_stages: int, given: list[int]) -> list[int]
         raise UserError(problems[0])
     if given:
         return list(given)
-    require(("pp_stages_have_layers",), SimpleNamespace(pp=num_stages, pp_virtual_stages=1),
+    require(("pp_stages_have_layers",), degrees_layout(pp=num_stages),
             SimpleNamespace(num_layers=num_layers))
     base, extra = divmod(num_layers, num_stages)
     return [base + (1 if i < extra else 0) for i in range(num_stages)]
@@ -248,26 +253,28 @@ def build_pipeline(
     (`build.pipeline_microbatches`). ``model_factory`` returns the whole model on
     the meta device; each stage keeps its ``num_layers`` share, is parallelized, and only then
     materialised on ``device`` and initialised (inside ``materialize()``: `build_model`), so a
-    rank allocates its own stages alone."""
+    rank allocates its own stages alone. The stages, schedule and layer split are those of the
+    run's layout (``pmesh.layout``, checked where the run was built); a mesh without one (a
+    direct call) is laid out as its degrees with ``cfg``'s options, and its tied-embedding rule
+    checked here."""
     from densetrain.parallel.parallelize import init_weights, parallelize
 
-    dims = pmesh.dims
+    checked = pmesh.layout is not None
+    layout = pmesh.layout if checked else layout_on_mesh(pmesh.dims, cfg)
     pp_mesh = pmesh.submesh("pp")
-    virtual = cfg.pp_virtual_stages
-    num_stages = dims.pp * virtual
-    sizes = layer_split(num_layers, num_stages, cfg.pp_layer_split)
+    num_stages = layout.num_stages
+    sizes = layer_split(num_layers, num_stages, list(layout.pp_layer_split))
     pp_rank = pp_mesh.get_local_rank()
-    stage_ids = stage_ids_for_rank(pp_rank, dims.pp, virtual, cfg.pp_schedule)
+    stage_ids = stage_ids_for_rank(pp_rank, layout.pp, layout.pp_virtual_stages,
+                                   layout.pp_schedule)
     from densetrain.optim.clipping import mark_counted_elsewhere
 
     modules, tied_weights = [], []
     for stage_id in stage_ids:
         module = model_factory()
         tied = bool(module.config.tie_embeddings)
-        if tied:
-            require(("pp_tied_without_zbv",), SimpleNamespace(pp=dims.pp,
-                                                              pp_schedule=cfg.pp_schedule),
-                    module.config)
+        if not checked:
+            require(("pp_tied_without_zbv",), layout, module.config)
         module = split_stage(module, stage_id, sizes)
         module = parallelize(module, pmesh, cfg, gather_dtype=gather_dtype)
         if stage_id == num_stages - 1:

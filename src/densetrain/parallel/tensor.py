@@ -47,15 +47,15 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from densetrain.models.transformer import TiedOutput
-from densetrain.parallel.layout_check import kv_split
+from densetrain.parallel.layout_check import ResolvedLayout
 
 
-def _attention_plan(attn: nn.Module, tp: int, sequence_parallel: bool) -> dict:
+def _attention_plan(attn: nn.Module, tp: int, sequence_parallel: bool, kv_ways: int) -> dict:
     plan = {
         "attn.wq": ColwiseParallel(),
         "attn.wo": RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate()),
     }
-    kv_sharded = kv_split(attn.num_kv_heads, tp) == tp
+    kv_sharded = kv_ways == tp  # the layout's `kv_split`: else tp is a multiple of the kv heads
     for name in ("attn.wk", "attn.wv"):
         plan[name] = (
             ColwiseParallel() if kv_sharded else _ReplicatedKV(attn.num_kv_heads, attn.head_dim, tp)
@@ -152,9 +152,9 @@ class _TiedVocabParallelHead(ParallelStyle):
         return distribute_module(module, device_mesh, self._partition)
 
 
-def _block_plan(block: nn.Module, tp: int, sequence_parallel: bool) -> dict:
+def _block_plan(block: nn.Module, tp: int, sequence_parallel: bool, kv_ways: int) -> dict:
     seq_layout = Shard(1) if sequence_parallel else Replicate()
-    plan = _attention_plan(block.attn, tp, sequence_parallel)
+    plan = _attention_plan(block.attn, tp, sequence_parallel, kv_ways)
     plan["attn"] = PrepareModuleInput(
         input_layouts=(seq_layout,), desired_input_layouts=(Replicate(),), use_local_output=False,
     )
@@ -172,21 +172,24 @@ def _block_plan(block: nn.Module, tp: int, sequence_parallel: bool) -> dict:
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool,
+                          layout: ResolvedLayout | None = None) -> nn.Module:
     """Shard ``model`` (a ``Transformer`` or a pipeline stage of one) over the 1-D ``tp_mesh``.
 
     Works in place: parameters become DTensors over ``tp_mesh`` and attention head counts become
     the local ones. The model's output (logits, or hidden states of a non-last pipeline stage)
-    is returned as a plain, full tensor on every tp rank.
+    is returned as a plain, full tensor on every tp rank. ``layout``: the run's checked layout
+    (``ParallelMesh.layout``); without one (a direct call) the tensor-parallel rules are checked
+    here on the layout of ``tp_mesh`` alone.
     """
-    from types import SimpleNamespace
-
-    from densetrain.parallel.layout_check import require
+    from densetrain.parallel.layout_check import degrees_layout, require
 
     tp = tp_mesh.size()
-    # A direct caller (not through a validated job) gets the same refusal as a config.
-    require(("tp_divides_heads", "tp_and_kv_heads", "tp_divides_ffn", "tp_model_features"),
-            SimpleNamespace(tp=tp), model.config)
+    if layout is None:
+        # A direct caller (not through a checked run layout) gets the same refusal as a config.
+        layout = degrees_layout(model.config, tp=tp)
+        require(("tp_divides_heads", "tp_and_kv_heads", "tp_divides_ffn", "tp_model_features"),
+                layout, model.config)
     seq_layout = Shard(1) if sequence_parallel else Replicate()
     top_plan: dict = {}
     if model.tok_embeddings is not None:
@@ -217,7 +220,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool)
     if top_plan:
         parallelize_module(model, tp_mesh, top_plan)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, _block_plan(block, tp, sequence_parallel))
+        parallelize_module(block, tp_mesh, _block_plan(block, tp, sequence_parallel,
+                                                       layout.kv_split))
         attn = block.attn
         attn.num_heads //= tp
         attn.num_kv_heads = max(attn.num_kv_heads // tp, 1)

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
-from densetrain.parallel.layout_check import kv_split, rule_reasons
+from densetrain.parallel.layout_check import degrees_layout, kv_split, rule_reasons
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +63,7 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> str | None:
     ``parallel.layout_check``), or None when it can."""
     if tp < 1:
         return f"tp must be >= 1, got {tp}"
-    reasons = rule_reasons(_TP_RULES, SimpleNamespace(tp=tp), cfg)
+    reasons = rule_reasons(_TP_RULES, degrees_layout(cfg, tp=int(tp)), cfg)
     return reasons[0] if reasons else None
 
 

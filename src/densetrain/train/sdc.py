@@ -9,7 +9,8 @@ Every ``faults.sdc_check_interval`` steps each rank reduces every tensor to one 
 flipped bit changes it by ±2^k, never by 0), the replicas all-gather the vector of checksums,
 and the tensors and ranks that disagree with the majority are named.
 
-Which ranks are replicas follows the layout (``parallel.parallelize.data_parallel_kind``): the
+Which ranks are replicas follows the data-parallel kind of the run's resolved layout
+(``ResolvedLayout.data_parallel``, through ``parallel.parallelize.mesh_layout``): the
 ``dp_replicate`` group under DDP and HSDP (same shards), the ``dp_shard`` group under ZeRO-1/2
 (parameters only; the optimizer state is sharded there). FSDP alone and one process have no
 replicas, so there is nothing to compare.
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from densetrain.parallel.config import ParallelConfig
 from densetrain.parallel.mesh import ParallelMesh
-from densetrain.parallel.parallelize import data_parallel_kind
+from densetrain.parallel.parallelize import mesh_layout
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -47,8 +48,9 @@ def checksums(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], tor
 
 
 def replica_axis(pmesh: ParallelMesh, cfg: ParallelConfig) -> str | None:
-    """The mesh axis whose ranks hold identical parameters in this layout, or None."""
-    return data_parallel_kind(pmesh.dims, cfg).replica_axis
+    """The mesh axis whose ranks hold identical parameters in the layout on ``pmesh`` (the
+    run's resolved layout; ``cfg``'s options on a mesh without one), or None."""
+    return mesh_layout(pmesh, cfg).data_parallel.replica_axis
 
 
 def disagreeing(values: list[int]) -> list[int]:

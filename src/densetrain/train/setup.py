@@ -154,6 +154,7 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
     from densetrain.optim import build_lr_scheduler
     from densetrain.parallel.build import build_model
     from densetrain.parallel.distributed import env_world_size
+    from densetrain.parallel.layout_check import resolve_layout
     from densetrain.parallel.mesh import ParallelDims
 
     # The layout rules (parallel.layout_check, inside validate) run before any process group.
@@ -171,11 +172,17 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
     model_cfg: ModelConfig = job.build_model_config(data.tokenizer.vocab_size)
     seed_everything(job.training.seed)
     training = job.training
+    # The run's one resolved layout, checked with the real model; every builder reads it.
+    pmesh = pmesh.with_layout(resolve_layout(
+        job.parallel, model_cfg, world_size=dims.world_size, seq_len=job.data.seq_len,
+        global_batch_size=training.global_batch_size,
+        micro_batch_size=training.micro_batch_size, compile=training.compile,
+        document_masking=job.data.document_masking,
+        batch_ramp=job.schedule.batch_ramp_start > 0, float8=training.dtype == "float8"),
+        model_cfg)
     model = build_model(
         model_cfg, job.parallel, pmesh, device=device, seed=training.seed,
         compile=training.compile, loss_chunk_size=training.loss_chunk_size,
-        local_batch_size=dims.local_batch_size(training.global_batch_size),
-        micro_batch_size=training.micro_batch_size,
         float8_recipe=training.float8_recipe if training.dtype == "float8" else "",
         compute_dtype=torch.bfloat16 if training.dtype == "bf16" else None,
     )
