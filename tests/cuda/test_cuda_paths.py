@@ -61,11 +61,11 @@ def test_peak_comes_from_the_datasheet():
 
 def test_batches_reach_the_gpu_through_pinned_memory():
     from densetrain.data import Batch
-    from densetrain.parallel.model import LaidOutModel
+    from densetrain.parallel.model import SpmdModel
 
     tokens = torch.arange(2 * 9).view(2, 9)
     batch = Batch(inputs=tokens[:, :-1].contiguous(), targets=tokens[:, 1:].contiguous())
-    laid_out = LaidOutModel(module=torch.nn.Identity())
+    laid_out = SpmdModel(module=torch.nn.Identity())
     moved = laid_out.prepare_batch(batch, torch.device("cuda"))
     torch.cuda.synchronize()
     assert moved.inputs.is_cuda and torch.equal(moved.inputs.cpu(), batch.inputs)

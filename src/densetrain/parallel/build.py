@@ -38,7 +38,7 @@ from densetrain.parallel.config import ParallelConfig
 from densetrain.parallel.float8 import convert_blocks_to_float8
 from densetrain.parallel.layout_check import layout_on_mesh, require
 from densetrain.parallel.mesh import ParallelDims, ParallelMesh
-from densetrain.parallel.model import LaidOutModel, model_loss_fn
+from densetrain.parallel.model import LaidOutModel, PipelineParallelModel, SpmdModel, model_loss_fn
 
 _MICROBATCH_RULES = ("batch_splits", "pp_microbatches_divide_batch",
                      "pp_microbatches_fill_pipeline", "pp_interleaved_rounds")
@@ -107,8 +107,8 @@ def build_model(
     with materialize():
         module.to_empty(device=device)
         init_weights(module, seed)
-    return LaidOutModel(module=module, pmesh=pmesh, loss_fn=model_loss_fn(chunk),
-                        ignore_index=model_cfg.ignore_index)
+    return SpmdModel(module=module, pmesh=pmesh, loss_fn=model_loss_fn(chunk),
+                     ignore_index=model_cfg.ignore_index)
 
 
 def _build_pipelined(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, pmesh: ParallelMesh,
@@ -157,5 +157,5 @@ def _build_pipelined(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, pmesh
                               microbatches=count, init_seed=seed, device=device,
                               materialize=materialize,
                               loss_chunk_size=loss_chunk_size, gather_dtype=gather_dtype)
-    return LaidOutModel(module=PipelinedModel(pipeline), pmesh=pmesh, pipeline=pipeline,
-                        ignore_index=model_cfg.ignore_index)
+    return PipelineParallelModel(module=PipelinedModel(pipeline), pmesh=pmesh, pipeline=pipeline,
+                                 ignore_index=model_cfg.ignore_index)

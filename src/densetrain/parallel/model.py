@@ -5,19 +5,24 @@ device and takes this rank's share of it (`prepare_batch`: context parallel hold
 sequence), runs forward and backward over a rank's batch (`forward_backward`: gradient
 accumulation over micro-batches, or the pipeline schedule), evaluates (`eval_loss`) and gathers
 the full weights to global rank 0's CPU, tensor by tensor (`gathered_state_dict`, for sampling
-and export). Which layout it is matters only inside these methods.
+and export). `LaidOutModel` is the interface; the layout picks its implementation once, where the
+model is built: `SpmdModel` (one module, every rank running the same program: DDP, FSDP, tensor
+and context parallel) or `PipelineParallelModel` (this rank's stages under a pipeline schedule).
+What differs between the two lives in their methods; what they share is the base's
+(`prepare_batch`, `cp_size`) or a module-level function.
 
 Shape legend: B batch rows, S sequence.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -25,6 +30,9 @@ from torch import nn
 
 from densetrain.errors import UserError
 from densetrain.parallel.mesh import ParallelMesh
+
+if TYPE_CHECKING:
+    from densetrain.parallel.pipeline import Pipeline
 
 LossFn = Callable[[nn.Module, Any], Any]
 """``loss_fn(module, micro_batch) -> LossOutput`` (``.loss`` differentiable, ``.ce_loss``)."""
@@ -93,21 +101,29 @@ def model_loss_fn(chunk_size: int | None) -> LossFn:
 
 
 @dataclass(kw_only=True)
-class LaidOutModel:
+class LaidOutModel(abc.ABC):
     """A (possibly sharded, possibly pipelined) model and how to train, evaluate and gather it.
 
+    The interface only: the layout is chosen once, where the model is built
+    (`parallel.build.build_model`), as one of two implementations, so that no method asks
+    which layout it runs on. `SpmdModel` runs one module whose ranks all execute the same
+    program (DDP, FSDP, tensor and context parallel, composed); `PipelineParallelModel` runs
+    this rank's pipeline stages through their schedule.
+
     ``module`` holds this rank's parameters under the full model's names (what optimizers and
-    checkpoints see); ``pipeline`` is set when pp > 1 (then ``module`` is not callable).
+    checkpoints see); ``pipeline`` is the stages' schedule, None unless pipelined (then
+    ``module`` is not callable).
     """
 
     module: nn.Module
     pmesh: ParallelMesh | None = None
-    loss_fn: LossFn = dataclasses.field(default_factory=lambda: model_loss_fn(None))
-    pipeline: Any = None
     ignore_index: int = -100
-    before_reduction: Callable[[], None] | None = None
-    """Called before the last micro-batch's backward, whose gradient reduction the ranks meet
-    in (the straggler monitor's mark under plain DDP; `train.stragglers`)."""
+    pipeline: ClassVar[Pipeline | None] = None
+
+    @property
+    def is_pipelined(self) -> bool:
+        """Whether a pipeline schedule runs the model (pp > 1)."""
+        return self.pipeline is not None
 
     # ------------------------------------------------------------------ batches
     @property
@@ -121,10 +137,6 @@ class LaidOutModel:
         moved = {k: (_to_device(v, device) if isinstance(v, torch.Tensor) else v)
                  for k, v in vars(batch).items()}
         batch = type(batch)(**moved)
-        if self.pipeline is not None and (batch.document_ids is not None
-                                          or batch.positions is not None):
-            raise UserError("pipeline parallel runs the plain causal mask only; turn off "
-                            "document masking in the data config")
         if self.cp_size == 1:
             return batch
         from densetrain.parallel.context import shard_sequence
@@ -145,15 +157,47 @@ class LaidOutModel:
         )
 
     # ------------------------------------------------------------------ training
+    @abc.abstractmethod
     def forward_backward(
         self, batch: Any, *, micro_batch_size: int, autocast: Autocast
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of this rank's (prepared) batch; returns ``(loss, tokens)``:
         the token-weighted mean loss of the whole sequences this rank's group trains on and the
         number of target tokens, both on the device (no host sync)."""
-        if self.pipeline is not None:
-            with autocast():
-                return self._pipeline_forward_backward(batch)
+
+    # ------------------------------------------------------------------ evaluation
+    @abc.abstractmethod
+    def eval_loss(self, batch: Any, *, micro_batch_size: int, autocast: Autocast
+                  ) -> torch.Tensor:
+        """Token-weighted mean cross-entropy of this rank's (prepared) batch, without
+        gradients."""
+
+    # ------------------------------------------------------------------ full weights
+    @abc.abstractmethod
+    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full, unsharded weights under the full model's names, on the CPU of global rank 0
+        only; every other rank returns ``{}`` (a collective: every rank must call it).
+
+        The weights are gathered tensor by tensor, so that no rank ever holds more than one full
+        tensor on its device and only rank 0 holds the model (in host memory).
+        """
+
+
+@dataclass(kw_only=True)
+class SpmdModel(LaidOutModel):
+    """One module on every rank of the layout, called directly: one process, DDP, FSDP
+    (ZeRO-1/2/3, HSDP), tensor and context parallel. A step accumulates gradients over
+    micro-batches (`_accumulate`) with ``loss_fn``."""
+
+    loss_fn: LossFn = dataclasses.field(default_factory=lambda: model_loss_fn(None))
+    before_reduction: Callable[[], None] | None = None
+    """Called before the last micro-batch's backward, whose gradient reduction the ranks meet
+    in (the straggler monitor's mark under plain DDP; `train.stragglers`)."""
+
+    def forward_backward(
+        self, batch: Any, *, micro_batch_size: int, autocast: Autocast
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradient accumulation over the batch's micro-batches of ``micro_batch_size`` rows."""
         return self._accumulate(split_micro_batches(batch, micro_batch_size), autocast)
 
     def _accumulate(
@@ -188,30 +232,11 @@ class LaidOutModel:
             dist.all_reduce(loss_sum, group=cp_group)
         return loss_sum, total_tokens
 
-    def _pipeline_forward_backward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The schedule averages its microbatches' losses on the last stage; the mean is summed
-        over the pp group (the other stages add zero) so every rank reports it."""
-        loss = self.pipeline.step(batch.inputs, batch.targets)
-        return self._share_over_pp(loss, batch), (batch.targets != self.ignore_index).sum()
-
-    def _share_over_pp(self, loss: torch.Tensor | None, batch: Any) -> torch.Tensor:
-        value = (torch.zeros((), device=batch.inputs.device) if loss is None
-                 else loss.detach().float())
-        dist.all_reduce(value, group=self.pmesh.group("pp"))
-        return value
-
-    # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def eval_loss(self, batch: Any, *, micro_batch_size: int, autocast: Autocast
                   ) -> torch.Tensor:
-        """Token-weighted mean cross-entropy of this rank's (prepared) batch, without gradients,
-        in micro-batches. Under pipeline parallel the schedule's forward-only pass over the whole
-        batch gives the stage loss (cross-entropy plus the z-loss term when ``z_loss_coef`` > 0).
-        """
-        if self.pipeline is not None:
-            with autocast():
-                return self._share_over_pp(self.pipeline.eval(batch.inputs, batch.targets),
-                                           batch)
+        """The mean of ``loss_fn``'s cross-entropy over micro-batches, weighted by their tokens,
+        with the module in eval mode."""
         self.module.eval()
         try:
             total = torch.zeros((), device=batch.inputs.device)
@@ -225,18 +250,10 @@ class LaidOutModel:
         finally:
             self.module.train()
 
-    # ------------------------------------------------------------------ full weights
     def gathered_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full, unsharded weights under the full model's names, on the CPU of global rank 0
-        only; every other rank returns ``{}`` (a collective: every rank must call it).
-
-        The weights are gathered tensor by tensor, so that no rank ever holds more than one full
-        tensor on its device and only rank 0 holds the model (in host memory). Sharded (FSDP/TP)
-        tensors go through ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``,
-        which keeps each gathered tensor on global rank 0 only. Under pipeline parallel every
-        stage gathers its own tensors and the stage ranks of global rank 0's pp group send
-        theirs to rank 0 one by one (`_gather_pipeline_stages`).
-        """
+        """Sharded (FSDP/TP) tensors go through ``get_model_state_dict(full_state_dict=True,
+        cpu_offload=True)``, which gathers them one by one and keeps each on global rank 0
+        only; without a device mesh (one process) the module's own tensors are copied."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -244,19 +261,58 @@ class LaidOutModel:
 
         if self.pmesh is None or self.pmesh.device_mesh is None:
             return {k: v.detach().cpu() for k, v in get_model_state_dict(self.module).items()}
-        if self.pmesh.group("pp") is None:
-            # With cpu_offload, torch keeps each gathered tensor on (global) rank 0 only and
-            # returns an empty dict elsewhere (``ranks_only=(0,)`` in ``_gather_state_dict``).
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            full = get_model_state_dict(self.module, options=options)
-            return {k: v.detach() for k, v in full.items()}
-        return self._gather_pipeline_stages()
+        # With cpu_offload, torch keeps each gathered tensor on (global) rank 0 only and
+        # returns an empty dict elsewhere (``ranks_only=(0,)`` in ``_gather_state_dict``).
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(self.module, options=options)
+        return {k: v.detach() for k, v in full.items()}
 
-    def _gather_pipeline_stages(self) -> dict[str, torch.Tensor]:
-        """`gathered_state_dict` under pipeline parallel.
 
-        Every rank gathers its stages' tensors one at a time within the stage (the all-gather of
-        a DTensor runs over its own sub-mesh, the stage's dp/cp/tp ranks). Only the pp group
+@dataclass(kw_only=True)
+class PipelineParallelModel(LaidOutModel):
+    """This rank's pipeline stages (`parallel.pipeline.Pipeline`), each possibly sharded
+    within its stage (FSDP, TP, CP), run by the pipeline schedule; ``module`` is their
+    `parallel.pipeline.PipelinedModel` (not callable). The schedule splits the batch into its
+    own microbatches, so ``micro_batch_size`` is not used here, and runs the plain causal mask
+    only. The last stage computes the loss; every method that returns one shares it over the
+    pp group (`_share_over_pp`), so every rank reports it."""
+
+    pipeline: Pipeline = dataclasses.field()
+
+    def prepare_batch(self, batch: Any, device: torch.device) -> Any:
+        """As `LaidOutModel.prepare_batch`; a batch with document ids or positions is refused
+        (the stages' forward takes the tokens only)."""
+        if batch.document_ids is not None or batch.positions is not None:
+            raise UserError("pipeline parallel runs the plain causal mask only; turn off "
+                            "document masking in the data config")
+        return super().prepare_batch(batch, device)
+
+    def forward_backward(
+        self, batch: Any, *, micro_batch_size: int, autocast: Autocast
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One schedule step: it averages its microbatches' losses on the last stage; the mean
+        is summed over the pp group (the other stages add zero)."""
+        with autocast():
+            loss = self.pipeline.step(batch.inputs, batch.targets)
+            return self._share_over_pp(loss, batch), (batch.targets != self.ignore_index).sum()
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Any, *, micro_batch_size: int, autocast: Autocast
+                  ) -> torch.Tensor:
+        """The schedule's forward-only pass over the whole batch gives the stage loss
+        (cross-entropy plus the z-loss term when ``z_loss_coef`` > 0)."""
+        with autocast():
+            return self._share_over_pp(self.pipeline.eval(batch.inputs, batch.targets), batch)
+
+    def _share_over_pp(self, loss: torch.Tensor | None, batch: Any) -> torch.Tensor:
+        value = (torch.zeros((), device=batch.inputs.device) if loss is None
+                 else loss.detach().float())
+        dist.all_reduce(value, group=self.pmesh.group("pp"))
+        return value
+
+    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every rank gathers its stages' tensors one at a time within the stage (the all-gather
+        of a DTensor runs over its own sub-mesh, the stage's dp/cp/tp ranks). Only the pp group
         that holds global rank 0 (the ranks whose other mesh coordinates are all 0) exchanges
         anything: its other members first send rank 0 their tensors' names, shapes and dtypes
         (one ``gather_object`` over that group), then each gathered tensor (``send``), which rank

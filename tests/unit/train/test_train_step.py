@@ -11,7 +11,7 @@ import torch
 
 from densetrain.models.loss import cross_entropy_loss
 from densetrain.optim.interface import StandardOptimizer
-from densetrain.parallel.model import LaidOutModel
+from densetrain.parallel.model import SpmdModel
 from densetrain.train import NonFiniteLossError, split_micro_batches, train_step
 
 
@@ -44,7 +44,7 @@ def _run(model, batch, micro: int, *, loss_fn=_loss, clip: float = 0.0, policy: 
          step: int = 1):
     opt = StandardOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.5))
     return train_step(
-        LaidOutModel(module=model, loss_fn=loss_fn), opt, batch, micro_batch_size=micro,
+        SpmdModel(module=model, loss_fn=loss_fn), opt, batch, micro_batch_size=micro,
         grad_clip=clip, autocast=contextlib.nullcontext, nan_policy=policy, step=step,
     )
 
@@ -146,7 +146,7 @@ def test_the_step_makes_exactly_one_host_sync(monkeypatch) -> None:
     tokens = torch.randint(0, 97, (4, 17), generator=torch.Generator().manual_seed(0))
     batch = _Batch(inputs=tokens[:, :-1], targets=tokens[:, 1:])
     opt = StandardOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    laid_out = LaidOutModel(module=model, loss_fn=model_loss_fn(8))
+    laid_out = SpmdModel(module=model, loss_fn=model_loss_fn(8))
     for name in ("__bool__", "__int__", "__float__", "item", "tolist", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, counting(name))
     out = train_step(laid_out, opt, batch, micro_batch_size=2, grad_clip=1.0,
