@@ -44,6 +44,9 @@ FAST = ("ddp", "zero2", "tp_sp", "cp", "pp_1f1b")
 FOUR_RANK = {
     "hsdp": ["--parallel.dp_replicate=2", "--parallel.dp_shard=2",
              "--training.micro_batch_size=2"],
+    # dp_shard = 1: FSDP shards over the cp ranks alone
+    "hsdp_cp": ["--parallel.dp_replicate=2", "--parallel.cp=2", "--parallel.dp_shard=1",
+                "--training.micro_batch_size=2"],
     "fsdp_tp": ["--parallel.dp_shard=2", "--parallel.tp=2"],
     "cp_tp": ["--parallel.cp=2", "--parallel.tp=2", "--parallel.dp_shard=1"],
     "pp_fsdp": ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.pp_microbatches=2"],
@@ -136,3 +139,4 @@ def test_all_trainer_layouts_on_two_ranks_match_one_process(controls) -> None:
 @pytest.mark.slow
 def test_trainer_layouts_on_four_ranks_match_one_process(controls) -> None:
     _run_ladder(FOUR_RANK, 4, controls, timeout=900)
+

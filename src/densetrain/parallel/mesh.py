@@ -144,14 +144,20 @@ class ParallelMesh:
             raise UserError(reasons[0])
         return replace(self, layout=layout)
 
+    def dim_name(self, name: str) -> str:
+        """The mesh dimension that axis ``name`` is: a flattened axis of which only one part
+        has degree > 1 is that part's own dimension (``dp_shard_cp`` with ``dp_shard`` = 1 is
+        ``cp``); `build_mesh` flattens only axes of two or more parts."""
+        if name in MESH_AXES:
+            return name
+        present = [a for a in FLATTENED_AXES[name] if getattr(self.dims, a) > 1]
+        return present[0] if len(present) == 1 else name
+
     def submesh(self, name: str):
         """The sub-mesh for axis ``name`` (a mesh or flattened axis), or None if its degree is 1."""
         if self.device_mesh is None or self.dims.degree(name) == 1:
             return None
-        if name in MESH_AXES:
-            return self.device_mesh[name]
-        present = [a for a in FLATTENED_AXES[name] if getattr(self.dims, a) > 1]
-        return self.device_mesh[present[0]] if len(present) == 1 else self.device_mesh[name]
+        return self.device_mesh[self.dim_name(name)]
 
     def group(self, name: str):
         """The process group of axis ``name``, or None when its degree is 1."""

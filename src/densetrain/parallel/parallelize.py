@@ -81,7 +81,8 @@ def parallelize(
 
         shard_axis = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
         if kind is DataParallelKind.HSDP:
-            names = ["dp_replicate", shard_axis] if dims.fsdp_size > 1 else ["dp_replicate"]
+            names = (["dp_replicate", pmesh.dim_name(shard_axis)] if dims.fsdp_size > 1
+                     else ["dp_replicate"])
             dp_mesh = pmesh.device_mesh[tuple(names)]
         else:
             dp_mesh = pmesh.submesh(shard_axis)
