@@ -11,7 +11,7 @@ rank marks, per step, three points on its own clock (no clocks are compared acro
 * ``block``: where step k's first blocking collective starts: the step's start (FSDP, tensor,
   context and pipeline parallel gather or exchange in the forward), or, under plain DDP, the
   last micro-batch's backward, whose gradient all-reduce is where the ranks meet
-  (`LaidOutModel.before_reduction`).
+  (`SpmdModel.before_reduction`).
 * the loop's other blocking points, bracketed: the fault checks (the loss all-reduce, replica
   checks and this module's own all-gather), the loss all-reduce of the metrics logger
   (`evaluation.mean_over_ranks`, through `blocking_point`) and the preemption vote.
@@ -179,7 +179,7 @@ class StragglerMonitor:
         if self.enabled:
             _ACTIVE = weakref.ref(self)
         if self.enabled and dims is not None and dims.dp_shard == dims.tp == dims.cp == \
-                dims.pp == 1 and model.pipeline is None:
+                dims.pp == 1 and not model.is_pipelined:
             model.before_reduction = self.reduction_started
 
     def summary(self) -> dict[str, Any]:
