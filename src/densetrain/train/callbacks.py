@@ -1,10 +1,11 @@
 """Callbacks of the trainer: metrics logging and progress, checkpoints, the plot, the sample.
 
 Each callback is built with its own settings and sees the run's built parts (`RunParts`), its
-checkpointed progress and, after every step, that step's `StepReport` (evaluation included). No
-callback writes into shared state, so their order does not matter; each may contribute entries
-to the run's summary (`summary()`) and releases what it holds in `close()` (also after an
-exception).
+checkpointed progress and, after every step, that step's `StepReport` (evaluation included). The
+`Callback` base declares every hook the loop calls, each doing nothing by default, and the loop
+calls each hook on every callback: a callback overrides the ones it needs. No callback writes
+into shared state, so their order does not matter; each may contribute entries to the run's
+summary (`summary()`) and releases what it holds in `close()` (also after an exception).
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class Callback:
     def on_rollback(self, parts: RunParts, progress: Progress) -> None:
         """Called after the run was rolled back to an earlier checkpoint (``progress.step``
         is the step restored; the steps after it will be taken again)."""
+
+    def on_preempt(self, parts: RunParts, progress: Progress) -> None:
+        """Called once when a stop signal (SIGTERM/SIGINT on any rank) ends the run after the
+        step ``progress.step``, instead of `on_train_end`."""
 
     def on_train_end(self, parts: RunParts, progress: Progress) -> None:
         """Called once after the last step (not after an exception)."""
@@ -331,8 +336,8 @@ class Checkpointer(Callback):
             self._guarded(self.session.wait)
 
     def on_rollback(self, parts: RunParts, progress: Progress) -> None:
-        """The checkpoints after the restored step were deleted; forget the newest one."""
-        self.last_checkpoint = ""
+        """The checkpoints after the restored step were deleted: the automatic interval counts
+        from the restored step."""
         if self.auto is not None:
             self.auto.rolled_back(progress.step)
 

@@ -1,9 +1,11 @@
 """The thin trainer: build the run from a `JobConfig`, resume, loop over `train_step`.
 
 `train(job)` is the library entry point behind ``densetrain train``. The loop is a dozen lines:
-each step is `train_step` (step.py); evaluation runs on its cadence inside the loop, so its
-result is part of the step's `StepReport`; logging, checkpoints, the plot and the sample are
-callbacks (callbacks.py) that read the report.
+each step is `train_step` (step.py); the `FaultGuard` (faults.py) decides what the step means
+(continue, roll back, stop) and the loop acts on that decision; evaluation runs on its cadence
+inside the loop, so its result is part of the step's `StepReport`; logging, checkpoints, the
+plot and the sample are callbacks (callbacks.py) that read the report. Every hook of the
+`Callback` base is called on every callback, ``on_preempt`` included.
 
 One job, as the code runs it (docs/architecture.md has the package map)::
 
@@ -17,12 +19,19 @@ One job, as the code runs it (docs/architecture.md has the package map)::
       acquire_run_lock, GoodputLedger, HangWatchdog,   checkpoint/lock.py, train/goodput.py,
         StragglerMonitor, PreemptionHandler              watchdog.py, stragglers.py,
                                                          checkpoint/preemption.py
-      checkpoint_session(parts, progress, job)         here; checkpoint/session.py
+      FaultGuard(job.faults) (owns the FaultRecord)    train/faults.py, sdc.py
+      checkpoint_session(parts, progress, job, record) here; checkpoint/session.py
       resume(parts, progress)                          here; checkpoint/session.py, resume.py
-      run_loop: prepare_batch → train_step → scheduler → FaultGuard (rollback?)
-                → evaluate? → callbacks (checkpoint interval: fixed or auto)
-                                                       train/faults.py, callbacks.py,
-                                                       auto_interval.py
+      RunLoop.run: prepare_batch → train_step (replayed? → guard.note_replay) → scheduler
+                → guard.after_step → Decision          train/step.py, replay.py, faults.py
+                    CONTINUE
+                    ROLL_BACK: flush callbacks → checkpoints.rollback(at_most)
+                               → guard.rolled_back → callbacks' on_rollback; next step
+                    STOP: raise the decision's RunFaultError
+                → evaluate? → callbacks' on_step_end (checkpoint interval: fixed or auto)
+                → preemption vote: stop? → callbacks' on_preempt; return
+                                                       callbacks.py, auto_interval.py,
+                                                       checkpoint/preemption.py
       summary.json
 """
 
@@ -43,7 +52,8 @@ from densetrain.parallel.distributed import collective_step
 from densetrain.train.auto_interval import auto_interval
 from densetrain.train.callbacks import Callback, Checkpointer, LossPlot, MetricsLogger, Sampler
 from densetrain.train.evaluation import Evaluator
-from densetrain.train.faults import FaultGuard, build_replica_check
+from densetrain.train.fault_record import FaultRecord
+from densetrain.train.faults import Act, Decision, FaultGuard, build_replica_check
 from densetrain.train.goodput import GoodputLedger
 from densetrain.train.phases import PhaseTracker
 from densetrain.train.replay import replayed_step
@@ -72,8 +82,9 @@ def default_callbacks(job: JobConfig) -> list[Callback]:
 
 class RunLoop:
     """Steps a built run until ``training.steps``, evaluating on the evaluator's cadence and
-    calling the callbacks with each step's report. Keeps this process's own token and time
-    totals (throughput is never computed from tokens another process trained)."""
+    calling the callbacks with each step's report and acting on the `FaultGuard`'s decision
+    after each step. Keeps this process's own token and time totals (throughput is never
+    computed from tokens another process trained)."""
 
     def __init__(self, parts: RunParts, progress: Progress, evaluator: Evaluator,
                  callbacks: Sequence[Callback], guard: FaultGuard,
@@ -85,7 +96,6 @@ class RunLoop:
         self.progress = progress
         self.evaluator = evaluator
         self.guard = guard
-        guard.settle_checkpoints = self.flush_callbacks
         self.phases = PhaseTracker(watchdog, ledger, stragglers)
         self.callbacks = list(callbacks)
         self.process_tokens = 0
@@ -109,7 +119,12 @@ class RunLoop:
             report = self.step(total_steps)
             self.phases.enter("fault checks")
             report.stragglers = self.phases.measure_stragglers(report.step)  # collective
-            if self.guard.after_step(parts, progress, report):  # rolled back: the step is void
+            decision = self.guard.after_step(parts, progress, report)
+            if decision.kind is Act.STOP:
+                assert decision.error is not None
+                raise decision.error
+            if decision.kind is Act.ROLL_BACK:  # the step is void
+                self.roll_back(decision)
                 self.phases.rolled_back()
                 for callback in self.callbacks:
                     callback.on_rollback(parts, progress)
@@ -128,13 +143,27 @@ class RunLoop:
             if stopping:
                 self.phases.stop()
                 for callback in self.callbacks:
-                    if isinstance(callback, Checkpointer):
-                        callback.on_preempt(parts, progress)
+                    callback.on_preempt(parts, progress)
                 return
             self.phases.end()
         self.phases.stop()  # the closing evaluation, checkpoint and sample are unwatched
         for callback in self.callbacks:
             callback.on_train_end(parts, progress)
+
+    def roll_back(self, decision: Decision) -> None:
+        """Act on a ROLL_BACK ``decision``: complete the callbacks' background work (a save
+        in flight may be the checkpoint to load, or fail first), have the checkpoint session
+        load the newest checkpoint of step <= ``decision.at_most`` (a refused decision only
+        looks it up: the run stops either way, with the message the guard says), and tell the
+        guard what was restored (it raises when nothing was)."""
+        parts = self.parts
+        session = parts.checkpoints
+        if session is None:
+            raise RuntimeError("a rollback needs the run's checkpoint session (parts.checkpoints)")
+        self.flush_callbacks()
+        target = (session.newest_at_most(decision.at_most) if decision.refused
+                  else session.rollback(decision.at_most))
+        self.guard.rolled_back(parts, decision, target)
 
     def step(self, total_steps: int) -> StepReport:
         """One optimizer step of the run and its report."""
@@ -148,9 +177,10 @@ class RunLoop:
                          nan_policy=parts.training.nan_policy, step=progress.step + 1)
         with collective_step(progress.step + 1):  # a failed collective names rank and step
             if self.guard.replay_due(progress.step + 1):  # computed twice and compared
-                output, self.guard.replay_mismatch = replayed_step(
+                output, mismatch = replayed_step(
                     parts.model, parts.optimizer, batch, **step_args,
                     tolerance=self.guard.config.sdc_replay_tolerance)
+                self.guard.note_replay(mismatch)
             else:
                 output = train_step(parts.model, parts.optimizer, batch, **step_args)
         lr = float(parts.optimizer.param_groups[0]["lr"])
@@ -169,17 +199,17 @@ class RunLoop:
         )
 
 
-def checkpoint_session(parts: RunParts, progress: Progress, job: JobConfig
-                       ) -> CheckpointSession:
-    """The run's `CheckpointSession` over its built parts and progress counters, saving as
-    ``[checkpoint]`` says (``keep_last``, ``async_save``; background collectives bounded by
-    ``parallel.collective_timeout_s``)."""
+def checkpoint_session(parts: RunParts, progress: Progress, job: JobConfig,
+                       faults: FaultRecord) -> CheckpointSession:
+    """The run's `CheckpointSession` over its built parts, progress counters and fault record
+    (the `FaultGuard`'s), saving as ``[checkpoint]`` says (``keep_last``, ``async_save``;
+    background collectives bounded by ``parallel.collective_timeout_s``)."""
     from densetrain.checkpoint import ModelState
 
     return CheckpointSession(
         model=ModelState(parts.model.module), optimizer=parts.optimizer,
         lr_schedule=parts.scheduler, batch_schedule=parts.batch_schedule,
-        data=parts.data.train, progress=progress, faults=parts.fault_record,
+        data=parts.data.train, progress=progress, faults=faults,
         directory=parts.checkpoint_dir, run_dir=parts.run_dir, config_toml=parts.config_toml,
         keep_last=job.checkpoint.keep_last, async_save=job.checkpoint.async_save,
         timeout_s=job.parallel.collective_timeout_s, is_main=parts.is_main,
@@ -315,7 +345,9 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
         _init_distributed(job)
         lock = acquire_run_lock(job.logging.run_dir)
         parts, progress = build_run(job)
-        parts.checkpoints = checkpoint_session(parts, progress, job)
+        guard = FaultGuard(job.faults, replica_check=build_replica_check(
+            job.faults, job.parallel, parts.pmesh))
+        parts.checkpoints = checkpoint_session(parts, progress, job, guard.record)
         watchdog = start_watchdog(job.faults, rank=parts.rank, run_dir=parts.run_dir)
         ledger = GoodputLedger(parts.run_dir, write=parts.is_main, started=started)
         resumed_from = ""
@@ -335,10 +367,8 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
             loop = RunLoop(parts, progress,
                            Evaluator(interval=job.eval.interval,
                                      num_windows=job.eval.num_windows),
-                           all_callbacks,
-                           FaultGuard(job.faults, replica_check=build_replica_check(
-                               job.faults, job.parallel, parts.pmesh)),
-                           watchdog, ledger, stop=preemption, stragglers=stragglers)
+                           all_callbacks, guard, watchdog, ledger, stop=preemption,
+                           stragglers=stragglers)
             loop.run()
         loop.phases.finish(progress.step)
         summary = summarize(parts, progress, loop, all_callbacks)
