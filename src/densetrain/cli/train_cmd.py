@@ -49,36 +49,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_train, accepts_extra=True)
 
 
-def check_job_inputs(job) -> None:
-    """Refuse, before any work, a job whose inputs cannot work: a missing or damaged dataset,
-    a ``run_dir`` or checkpoint directory (``checkpoint.dir``, by default
-    ``<run_dir>/checkpoints``) that is a file or cannot be written, a tokenizer whose
-    vocabulary exceeds the model's."""
-    from densetrain.checkpoint.objstore import check_reachable, checkpoint_location, is_remote
-    from densetrain.config.run_dir import check_writable_dir
-    from densetrain.data.checks import check_tokenizer_fits_model, data_vocabulary
-    from densetrain.errors import UserError
-
-    check_writable_dir(job.logging.run_dir, field_name="logging.run_dir")
-    if job.checkpoint.enabled and is_remote(job.checkpoint.dir):
-        check_reachable(job.checkpoint.dir)  # the bucket exists: named before any work
-    elif job.checkpoint.enabled and job.checkpoint.dir:
-        check_writable_dir(checkpoint_location(job.checkpoint.dir), field_name="checkpoint.dir")
-    elif job.checkpoint.enabled:
-        default = os.path.join(job.logging.run_dir, "checkpoints")
-        if os.path.lexists(default) and not os.path.isdir(default):
-            raise UserError(
-                f"{default} exists and is not a directory, but this run's checkpoints go there "
-                "(checkpoint.dir is empty: <logging.run_dir>/checkpoints); move it away, or set "
-                "--checkpoint.dir to a directory"
-            )
-        if os.path.isdir(default):  # else created at the first save, in the run_dir just checked
-            check_writable_dir(default, field_name="checkpoint.dir (empty: "
-                                                   "<logging.run_dir>/checkpoints)")
-    vocab = data_vocabulary(job.data)
-    check_tokenizer_fits_model(vocab, job.build_model_config(vocab.vocab_size).vocab_size)
-
-
 def split_config_and_overrides(words: list[str]) -> tuple[str | None, list[str]]:
     """``(CONFIG or None, overrides)``: a first word that is not an option is the config file."""
     if words and not words[0].startswith("-"):
@@ -117,6 +87,7 @@ def run_dry(job, args: argparse.Namespace) -> int:
     else:
         ranks = default_ranks(args.world_size, dims.pp)
     job.validate(world_size=dims.world_size, dp_size=dims.dp_size)  # the real run's one line
+    job = job.resolved(world_size=dims.world_size, dp_size=dims.dp_size)
     reports = dry_run_ranks(job, args.world_size, ranks)
     from densetrain.dryrun.predict import comm_by_rank, planner_by_rank
 
@@ -126,7 +97,8 @@ def run_dry(job, args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """Load the job config with the overrides, check its inputs, train, print the summary.
+    """Load the job config with the overrides, train, print the summary (`train` checks the
+    job's inputs and validates it with the real world size, once, before any work).
 
     Errors of the input are raised to the one handler in ``cli/main.py``; a run stopped by a
     non-finite loss exits 3.
@@ -144,7 +116,6 @@ def run_train(args: argparse.Namespace) -> int:
         from densetrain.train.host_malloc import restart_with_tuned_allocator
 
         restart_with_tuned_allocator(job.training.host_allocator, job.training.device, args.argv)
-    check_job_inputs(job)
     from densetrain.checkpoint import CheckpointError
     from densetrain.errors import UserError
     from densetrain.train import NonFiniteLossError, train

@@ -6,6 +6,11 @@ any ``ModelConfig`` field), ``data`` (``DataConfig``), ``optim`` (``OptimConfig`
 ``logging`` and ``faults`` (``FaultsConfig``). Each builder receives only its own section;
 ``JobConfig.validate`` adds the rules that span sections (batch divisibility, warmup
 shorter than the run, ...).
+
+Validation and resolution are separate: ``validate`` checks and modifies nothing;
+``resolved(world_size, dp_size)`` returns a new job with the derived fields filled (the global
+batch and warmup from their token forms, the micro-batch size that 0 stands for), which is the
+job the trainer, the dry run and the planner run and the config a run saves for its resume.
 """
 
 from __future__ import annotations
@@ -136,17 +141,25 @@ class JobConfig:
 
     # ------------------------------------------------------------------ derived values
     def resolve(self, dp_size: int = 1) -> JobConfig:
-        """Fill derived fields in place (idempotent) and return self.
+        """A new job with the token forms resolved (``self`` is not modified).
 
         ``training.global_batch_tokens > 0`` sets ``training.global_batch_size``;
         ``schedule.warmup_tokens > 0`` sets ``schedule.warmup_steps`` (through the batch-size
         ramp when there is one). A derived field that was set to a non-default value that
-        disagrees raises ``ValueError``: set only one of the pair.
+        disagrees raises ``ValueError``: set only one of the pair. `resolved` also fills the
+        micro-batch size for a world size.
         """
         from densetrain.config.rules import resolve_derived
 
-        resolve_derived(self, dp_size)
-        return self
+        return resolve_derived(self, dp_size)
+
+    def resolved(self, world_size: int | None = 1, dp_size: int | None = None) -> JobConfig:
+        """A new job with every derived field filled for ``world_size`` (and ``dp_size``), as
+        `validate` checks them: `densetrain.config.rules.resolve_job`. ``self`` is not
+        modified; call `validate` first (this checks only that the derivations can be made)."""
+        from densetrain.config.rules import resolve_job
+
+        return resolve_job(self, world_size=world_size, dp_size=dp_size)
 
     def derived_micro_batch_size(self, dp_size: int) -> int:
         """The micro-batch size that ``training.micro_batch_size = 0`` stands for on ``dp_size``
@@ -157,11 +170,10 @@ class JobConfig:
         halves the rank's batch, ``pp=2`` needs at least two microbatches) without a per-layout
         setting; a fixed ``micro_batch_size`` is still the way to bound activation memory.
         """
-        from densetrain.config.rules import _resolve_global_batch
+        from densetrain.config.rules import derived_global_batch_size
         from densetrain.parallel.layout_check import pipeline_microbatches
 
-        _resolve_global_batch(self)
-        global_batch = self.training.global_batch_size
+        global_batch = derived_global_batch_size(self)
         local, remainder = divmod(global_batch, dp_size)
         if remainder or local == 0:
             raise UserError(
@@ -182,7 +194,11 @@ class JobConfig:
     def validate(
         self, world_size: int | None = 1, dp_size: int | None = None, *, check_model: bool = True
     ) -> None:
-        """Validate every section, resolve derived fields, then check the rules across sections.
+        """Validate every section, then check the rules across sections on the derived values.
+
+        Nothing is modified: the derived fields are resolved into a private copy to be checked
+        (`densetrain.config.rules.validate_job`); a caller that needs them takes `resolved`
+        with the same arguments.
 
         ``world_size`` None (inspecting a config away from its cluster) skips the rules that
         need the world size.
@@ -192,30 +208,19 @@ class JobConfig:
         ``check_model`` the model config is built (without the tokenizer's vocab) so that bad
         model overrides fail before any work.
         """
-        from densetrain.config.rules import data_parallel_size, validate_job
+        from densetrain.config.rules import validate_job
 
-        if self.training.micro_batch_size != 0:
-            validate_job(self, world_size=world_size, dp_size=dp_size, check_model=check_model)
-            return
-        self.training.validate()
-        known_dp = dp_size or data_parallel_size(self, world_size)
-        self.training.micro_batch_size = self.derived_micro_batch_size(known_dp)
-        try:
-            validate_job(self, world_size=world_size, dp_size=dp_size, check_model=check_model)
-        finally:
-            if world_size is None and dp_size is None:
-                # Away from the cluster the data-parallel size is not final (dp_shard = -1):
-                # the derived value was only checked; the trainer derives it again.
-                self.training.micro_batch_size = 0
+        validate_job(self, world_size=world_size, dp_size=dp_size, check_model=check_model)
 
     def batch_size_schedule(self, dp_size: int = 1):
         """The ``BatchSizeSchedule`` of this job (constant unless ``schedule.batch_ramp_start``)."""
+        from densetrain.config.rules import derived_global_batch_size
         from densetrain.optim.schedules import BatchSizeSchedule
 
         micro = self.training.micro_batch_size or self.derived_micro_batch_size(dp_size)
         increment = self.schedule.batch_ramp_increment or micro * dp_size
         return BatchSizeSchedule(
-            global_batch_size=self.training.global_batch_size,
+            global_batch_size=derived_global_batch_size(self),
             seq_len=self.data.seq_len,
             ramp_start=self.schedule.batch_ramp_start,
             ramp_tokens=self.schedule.batch_ramp_tokens,

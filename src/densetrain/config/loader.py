@@ -2,7 +2,8 @@
 
 - ``load_job_config(path, overrides)``: the embedded default job (``default_job_config()``) when
   ``path`` is None, else a TOML file whose tables are sections (``[optim]``, ...) over the
-  dataclass defaults; then ``--section.field=value`` overrides; then ``validate()``.
+  dataclass defaults; then ``--section.field=value`` overrides; then ``validate()``, and the
+  resolved copy (derived fields filled) is returned.
 - Unknown sections or fields raise ``ValueError`` naming the file or the override and the
   closest known names (``difflib``).
 - ``job_config_to_toml`` writes the resolved config (it loads back to an equal ``JobConfig``);
@@ -85,12 +86,14 @@ def job_config_from_dict(data: dict, *, source: str = "<dict>", validate: bool =
     """Build a ``JobConfig`` from ``{section: {field: value}}`` over the dataclass defaults.
 
     ``source`` names where the dict came from in error messages. With ``validate`` the job is
-    validated without a world size (the trainer validates again with its own).
+    validated without a world size (the trainer validates again with its own) and returned
+    resolved (`JobConfig.resolved`).
     """
     job = JobConfig()
     _merge_into(job, data, source)
     if validate:
         job.validate(world_size=None)
+        return job.resolved(world_size=None)
     return job
 
 
@@ -131,7 +134,8 @@ def load_job_config(
     *,
     world_size: int | None = None,
 ) -> JobConfig:
-    """Load ``path`` (None = the embedded default), apply ``overrides``, validate, return.
+    """Load ``path`` (None = the embedded default), apply ``overrides``, validate, return the
+    job resolved for ``world_size`` (`JobConfig.resolved`).
 
     On the embedded default, a warmup the overrides leave unset follows ``training.steps``
     (``_scale_default_warmup``).
@@ -167,7 +171,7 @@ def load_job_config(
     if path is None:
         _scale_default_warmup(job, {key for key, _, _ in parsed})
     job.validate(world_size=world_size)
-    return job
+    return job.resolved(world_size=world_size)
 
 
 def parse_overrides(arguments: list[str]) -> list[tuple[str, str | None, str]]:

@@ -7,7 +7,7 @@ bad job fails in a second with a message naming the fields involved.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from densetrain.config.sections import TrainingConfig
 from densetrain.data.config import DataConfig
@@ -17,7 +17,7 @@ from densetrain.parallel.config import ParallelConfig
 
 
 class JobSections(Protocol):
-    """What the rules read of a job: its sections and the two builders that combine them
+    """What the rules read of a job: its sections and the builders that combine them
     (`densetrain.config.job.JobConfig` is one). The rules take this view rather than the class,
     so that this module does not depend on the module that calls it."""
 
@@ -32,6 +32,11 @@ class JobSections(Protocol):
     def batch_size_schedule(self, dp_size: int = 1) -> Any: ...
 
     def build_model_config(self, vocab_size: int | None = None) -> Any: ...
+
+    def derived_micro_batch_size(self, dp_size: int) -> int: ...
+
+
+J = TypeVar("J", bound=JobSections)
 
 # Stands in for the tokenizer's vocabulary when a model config is built only to validate it
 # (it replaces only placeholder vocabularies: tiny presets, or no preset).
@@ -58,21 +63,58 @@ def data_parallel_size(job: JobSections, world_size: int | None) -> int:
     return par.dp_replicate * dp_shard
 
 
-def resolve_derived(job: JobSections, dp_size: int = 1) -> None:
-    """Fill ``training.global_batch_size`` and ``schedule.warmup_steps`` from their token forms.
+def resolve_job(job: J, *, world_size: int | None = 1, dp_size: int | None = None) -> J:
+    """A new job with the derived fields filled; ``job`` itself is never modified.
 
-    ``global_batch_tokens`` stays (the batch follows ``data.seq_len``); ``warmup_tokens`` is
-    converted once into ``warmup_steps`` and reset to 0, because the conversion depends on the
-    batch-size ramp and is then fixed for the run (a resumed run keeps its schedule).
+    - ``training.global_batch_size`` from ``training.global_batch_tokens / data.seq_len``
+      (``global_batch_tokens`` stays: the batch follows ``data.seq_len``);
+    - ``training.micro_batch_size`` when it is 0 ("derive", `JobConfig.derived_micro_batch_size`),
+      once the data-parallel size is known: ``world_size`` and ``dp_size`` both None (a config
+      inspected away from its cluster, where ``dp_shard = -1`` is not final) keep the 0, and the
+      trainer derives it with its own world size;
+    - ``schedule.warmup_steps`` from ``schedule.warmup_tokens``, which becomes 0: the conversion
+      depends on the batch-size ramp and is then fixed for the run (a resumed run keeps its
+      schedule, read from the resolved config it saved).
+
+    ``dp_size`` None derives it from ``job.parallel`` and ``world_size``
+    (`data_parallel_size`). The two sections that resolution fills (``training``,
+    ``schedule``) are new objects in the result (``dataclasses.replace``); the others are shared
+    with ``job``. A derivation that cannot be made raises the ``UserError`` that
+    `validate_job` raises for it; nothing else is checked (validate first).
     """
-    _resolve_global_batch(job)
-    _resolve_warmup(job, dp_size)
+    resolved = _own_derived_sections(job)
+    known_dp = dp_size or data_parallel_size(job, world_size)
+    if resolved.training.micro_batch_size == 0 and not (world_size is None and dp_size is None):
+        resolved.training.micro_batch_size = resolved.derived_micro_batch_size(known_dp)
+    _resolve_global_batch(resolved)
+    _resolve_warmup(resolved, known_dp)
+    return resolved
 
 
-def _resolve_global_batch(job: JobSections) -> None:
+def resolve_derived(job: J, dp_size: int = 1) -> J:
+    """A new job with ``training.global_batch_size`` and ``schedule.warmup_steps`` filled from
+    their token forms on ``dp_size`` data-parallel ranks (`resolve_job` without the micro-batch
+    size); ``job`` itself is never modified."""
+    resolved = _own_derived_sections(job)
+    _resolve_global_batch(resolved)
+    _resolve_warmup(resolved, dp_size)
+    return resolved
+
+
+def _own_derived_sections(job: J) -> J:
+    """A shallow copy of ``job`` with copies of the sections that resolution writes, so that
+    the ``_resolve_*`` steps below, which fill them in place, never reach the caller's job."""
+    return dataclasses.replace(job, training=dataclasses.replace(job.training),
+                               schedule=dataclasses.replace(job.schedule))
+
+
+def derived_global_batch_size(job: JobSections) -> int:
+    """``training.global_batch_size`` as resolved: ``global_batch_tokens / data.seq_len`` when
+    ``global_batch_tokens > 0`` (a disagreeing explicit batch size, or tokens that are not a
+    multiple of ``data.seq_len``, raise ``UserError``), else the field itself."""
     training = job.training
     if training.global_batch_tokens <= 0:
-        return
+        return training.global_batch_size
     seq_len = job.data.seq_len
     if training.global_batch_tokens % seq_len:
         raise UserError(
@@ -86,7 +128,12 @@ def _resolve_global_batch(job: JobSections) -> None:
             f"training.global_batch_tokens={training.global_batch_tokens} / data.seq_len="
             f"{seq_len} = {derived}; set only one of them"
         )
-    training.global_batch_size = derived
+    return derived
+
+
+# The two steps below fill a job in place: only ever a copy made by `_own_derived_sections`.
+def _resolve_global_batch(job: JobSections) -> None:
+    job.training.global_batch_size = derived_global_batch_size(job)
 
 
 def _resolve_warmup(job: JobSections, dp_size: int) -> None:
@@ -110,17 +157,32 @@ def validate_job(
     dp_size: int | None = None,
     check_model: bool = True,
 ) -> None:
-    """Validate each section, resolve derived values, then check the rules across sections.
+    """Validate each section, then check the rules across sections on the resolved values.
+
+    ``job`` is not modified: the derived values (`resolve_job`) are resolved into a private copy,
+    step by step where the checks need them, which keeps the order in which a job with several
+    problems is told them.
 
     ``world_size`` None skips the checks that need it (degrees multiplying to the world size)
     and checks batch divisibility against the data-parallel size the config fixes.
     """
+    job = _own_derived_sections(job)
+    if job.training.micro_batch_size == 0:
+        # The derived micro-batch size is checked like a stated one (layout, ramp); away from
+        # the cluster (world_size and dp_size None) against the data-parallel size the config
+        # fixes, as the trainer derives it again with its own.
+        job.training.validate()
+        known_dp = dp_size or data_parallel_size(job, world_size)
+        job.training.micro_batch_size = job.derived_micro_batch_size(known_dp)
     if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
         raise UserError(f"world size must be a positive integer, got {world_size!r}")
     for name, section in job.sections().items():
         validate = getattr(section, "validate", None)
         if validate is None:
             raise TypeError(f"section [{name}] ({type(section).__name__}) has no validate()")
+        # [parallel] too: `ParallelConfig.__post_init__` checks a section when it is built, and
+        # this is THE check of the section a job carries (fields may be set after it was
+        # built); `ParallelDims.from_config` relies on one of the two and checks nothing again.
         validate()
     if dp_size is None:
         dp_size = data_parallel_size(job, world_size)

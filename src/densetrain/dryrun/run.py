@@ -97,26 +97,33 @@ def _group_names(pmesh) -> dict[str, str]:
 
 def dry_run_ranks(job: JobConfig, world_size: int, ranks: list[int]) -> list[RankReport]:
     """`dry_run_rank` for each of ``ranks``, each in a fresh process (a process group, and the
-    fake one too, is one per process)."""
+    fake one too, is one per process). ``job`` is validated for ``world_size`` and resolved
+    (`JobConfig.resolved`) by the caller, once, before any process starts."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
     reports = []
     for rank in ranks:
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-            reports.append(pool.submit(dry_run_rank, job, world_size, rank).result())
+            reports.append(pool.submit(_dry_run_resolved, job, world_size, rank).result())
     return reports
 
 
 def dry_run_rank(job: JobConfig, world_size: int, rank: int) -> RankReport:
-    """Build and step ``rank`` of ``world_size`` for ``job`` without allocating its tensors."""
+    """Build and step ``rank`` of ``world_size`` for ``job`` without allocating its tensors
+    (``job`` is validated for ``world_size`` here, as the trainer validates it)."""
+    job.validate(world_size=world_size)
+    return _dry_run_resolved(job.resolved(world_size=world_size), world_size, rank)
+
+
+def _dry_run_resolved(job: JobConfig, world_size: int, rank: int) -> RankReport:
+    """`dry_run_rank` of a job already validated for ``world_size`` and resolved."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from densetrain.parallel.mesh import ParallelDims
 
     start = time.perf_counter()
     dims = ParallelDims.from_config(job.parallel, world_size)
-    job.validate(world_size=dims.world_size, dp_size=dims.dp_size)
     with fake_world(world_size, rank):
         pmesh = dims.build_mesh("cpu")  # real (small) rank tables, outside fake mode
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -75,6 +75,9 @@ class ParallelConfig:
     """A collective that waits longer than this fails with an error naming the rank and step."""
 
     def __post_init__(self) -> None:
+        # A section is checked when it is built (a bad ParallelConfig cannot be made); the job's
+        # validation checks the section a job carries once more, as fields may be set later.
+        # Nothing else re-checks it (`ParallelDims.from_config` relies on these two).
         self.validate()
 
     def validate(self) -> None:

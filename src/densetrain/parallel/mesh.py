@@ -47,10 +47,14 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
-        """Resolve ``dp_shard=-1`` and check that the degrees multiply to ``world_size``."""
+        """Resolve ``dp_shard=-1`` and check that the degrees multiply to ``world_size``.
+
+        ``cfg`` itself is not validated again: `ParallelConfig.__post_init__` checked it when it
+        was built, and a job's section is checked by the job's validation
+        (`densetrain.config.rules.validate_job`), which the trainer runs before this.
+        """
         from densetrain.parallel.layout_check import resolve_dp_shard
 
-        cfg.validate()
         dp_shard, problem = resolve_dp_shard(cfg, world_size)
         if problem:
             raise UserError(problem)

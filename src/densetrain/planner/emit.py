@@ -43,9 +43,9 @@ def plan_job(cfg: ModelConfig, layout: Layout, *, seq_len: int, global_batch: in
     job.parallel = ParallelConfig(**layout.to_parallel_config())
     try:  # job validation runs parallel.layout_check.check_layout, as the trainer does
         job.validate(world_size=layout.devices)
+        return job.resolved(world_size=layout.devices)
     except ValueError as err:
         raise UserError(f"the planned layout cannot run: {err}") from None
-    return job
 
 
 def emit_config(path: str | Path, cfg: ModelConfig, layout: Layout, *, seq_len: int,

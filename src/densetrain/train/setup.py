@@ -157,9 +157,13 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
     from densetrain.parallel.layout_check import resolve_layout
     from densetrain.parallel.mesh import ParallelDims
 
-    # The layout rules (parallel.layout_check, inside validate) run before any process group.
-    dims = ParallelDims.from_config(job.parallel, env_world_size())
-    job.validate(world_size=dims.world_size, dp_size=dims.dp_size)
+    # The run's one check with the real world size (the layout rules of
+    # parallel.layout_check included), before any process group; the parts are built from the
+    # resolved copy (derived fields filled), which is also the config saved for a resume.
+    world_size = env_world_size()
+    job.validate(world_size=world_size)
+    dims = ParallelDims.from_config(job.parallel, world_size)
+    job = job.resolved(world_size=dims.world_size, dp_size=dims.dp_size)
     rank, world_size, local_rank = _init_distributed(job)
     assert world_size == dims.world_size, "the process group disagrees with WORLD_SIZE"
     device = resolve_device(job.training.device, local_rank=local_rank)

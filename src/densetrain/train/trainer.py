@@ -331,8 +331,12 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
 
     from densetrain.checkpoint.lock import acquire_run_lock
     from densetrain.checkpoint.preemption import PreemptionHandler
+    from densetrain.train.inputs import check_job_inputs
     from densetrain.train.setup import _init_distributed, build_run
 
+    # Data, run_dir, checkpoint dir, tokenizer vs model: refused before any work, in the same
+    # line for the CLI and a Python caller (cheap, and safe on every rank: no group needed).
+    check_job_inputs(job)
     started = time.time()
     owns_process_group = not (dist.is_available() and dist.is_initialized())
     all_callbacks = default_callbacks(job) + list(callbacks or [])

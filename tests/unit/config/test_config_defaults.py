@@ -37,7 +37,8 @@ def test_derived_micro_batch_fits_every_layout(layout, world_size, micro):
     job = load_job_config(None, layout)
     assert job.training.micro_batch_size == 0  # away from the cluster: still "derive"
     job.validate(world_size=world_size)
-    assert job.training.micro_batch_size == micro
+    assert job.training.micro_batch_size == 0  # validate modifies nothing
+    assert job.resolved(world_size=world_size).training.micro_batch_size == micro
 
 
 def test_a_stated_micro_batch_is_kept_and_checked():
