@@ -1,7 +1,5 @@
 """`python -m densetrain` is the `densetrain` command."""
 
-import sys
+from densetrain.cli.main import entry
 
-from densetrain.cli.main import main
-
-sys.exit(main())
+entry()

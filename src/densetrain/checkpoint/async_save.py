@@ -41,10 +41,11 @@ from densetrain.checkpoint.manager import CheckpointError, checkpoint_name, mate
 from densetrain.checkpoint.saving import (
     begin_save,
     check_finite,
-    describe_write_error,
+    save_failure,
     seal_checkpoint,
     write_shards,
 )
+from densetrain.errors import RankFailure
 
 
 def _own_objects(tree: Any) -> Any:
@@ -120,7 +121,8 @@ class AsyncCheckpointer:
                                      process_group=self.group, no_dist=not collective.dist_on())
         except BaseException as err:
             self._drop_remote(final)
-            raise CheckpointError(objstore.describe_failure(err, final, step)) from err
+            raise save_failure(err, final, step, lambda e: objstore.describe_failure(
+                e, final, step)) from err
         assert self._executor is not None
         self._pending = self._executor.submit(self._finish_remote, written, final, step)
 
@@ -130,7 +132,8 @@ class AsyncCheckpointer:
             written.result()
         except BaseException as err:
             self._drop_remote(final)
-            raise CheckpointError(objstore.describe_failure(err, final, step)) from err
+            raise save_failure(err, final, step, lambda e: objstore.describe_failure(
+                e, final, step)) from err
         return objstore.seal(self.root, final, step, config_toml=self.config_toml,
                              keep_last=self.keep_last, group=self.group)
 
@@ -150,10 +153,10 @@ class AsyncCheckpointer:
             written = dcp.async_save(tree, checkpoint_id=tmp, process_group=self.group,
                                      no_dist=not collective.dist_on())
         except BaseException as err:
-            message = describe_write_error(err, self.root, step)
+            failure = save_failure(err, self.root, step)
             if collective.rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(message) from err
+            raise failure from err
         assert self._executor is not None
         self._pending = self._executor.submit(self._finish, written, tmp, step)
 
@@ -162,10 +165,10 @@ class AsyncCheckpointer:
         try:
             written.result()
         except BaseException as err:
-            message = describe_write_error(err, self.root, step)
+            failure = save_failure(err, self.root, step)
             if collective.rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(message) from err
+            raise failure from err
         return self._seal(tmp, step)
 
     def _seal(self, tmp: Path, step: int) -> Path:
@@ -200,7 +203,7 @@ class AsyncCheckpointer:
         """Wait for the save in flight (reporting, not raising, its failure) and stop."""
         try:
             self.wait()
-        except CheckpointError as err:
+        except (CheckpointError, RankFailure) as err:  # reported; the run is ending anyway
             print(f"the last checkpoint could not be completed: {err}", file=sys.stderr)
         finally:
             if self._executor is not None:

@@ -39,6 +39,7 @@ from densetrain.checkpoint.manifest import (
     share_of,
     write_manifest_file,
 )
+from densetrain.errors import RankFailure
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _NEARLY_FULL_BYTES = 1 << 20
@@ -102,6 +103,46 @@ def _write_cut_short(err: BaseException) -> bool:
     # torch's zip serializer reports a refused write as "unexpected pos N vs M" and drops the
     # OSError that caused it.
     return any("unexpected pos" in str(e) for e in _errors_in(err))
+
+
+def lost_peer(err: BaseException) -> BaseException | None:
+    """The failed collective behind a failed save, if a peer rank was lost (gloo's "connection
+    reset", a timeout): ``err`` itself, its cause or context, or a rank's failure inside DCP's
+    ``CheckpointException``; None for any other failure (a full disk, a bug)."""
+    from densetrain.parallel.distributed import is_collective_failure
+
+    seen: set[int] = set()
+    todo = [err]
+    while todo:
+        item = todo.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, RankFailure) or is_collective_failure(item):
+            return item
+        todo += [item.__cause__, item.__context__]
+        failures = getattr(item, "failures", None)  # DCP: {rank: (exception, traceback)}
+        if isinstance(failures, Mapping):
+            todo += [pair[0] if isinstance(pair, tuple) else pair for pair in failures.values()]
+    return None
+
+
+def save_failure(err: BaseException, root: str | os.PathLike, step: int,
+                 describe: Any = None) -> BaseException:
+    """The exception to raise for a failed save: a lost peer's `CollectiveError` (naming the
+    rank that died or stopped, as `collective_step` does for a step; the backend's text goes to
+    the log), so that the run ends as a rank failure whatever ``on_save_error`` says; else a
+    `CheckpointError` with ``describe(err)`` (default `describe_write_error`)."""
+    from densetrain.parallel.distributed import collective_error
+
+    cause = lost_peer(err)
+    if isinstance(cause, RankFailure):
+        return cause
+    if cause is not None:
+        return collective_error(cause)
+    if describe is None:
+        return CheckpointError(describe_write_error(err, Path(root), step))
+    return CheckpointError(describe(err))
 
 
 def describe_write_error(err: BaseException, root: Path, step: int) -> str:
@@ -202,10 +243,10 @@ def write_shards(tree: Mapping[str, Any], tmp: Path, step: int) -> None:
         collective.quiet_single_process_notice()
         dcp.save(tree, checkpoint_id=tmp, no_dist=not collective.dist_on())
     except BaseException as err:
-        message = describe_write_error(err, tmp.parent, step)  # before the space is freed
+        failure = save_failure(err, tmp.parent, step)  # before the space is freed
         if collective.rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(message) from err
+        raise failure from err
 
 
 def seal_checkpoint(tmp: Path, *, step: int, config_toml: str | None, keep_last: int,

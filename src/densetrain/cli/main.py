@@ -223,5 +223,19 @@ def main(argv: list[str] | None = None) -> int:
         return report_error(unwrap_error(error), _command_name(args), debug=debug)
 
 
+def entry() -> None:
+    """The ``densetrain`` program: `main`, then exit with its status. After a lost peer (status
+    `EXIT_RANK_FAILURE`) the process ends at once, its one line flushed, without the
+    interpreter's finalisation (threads, process-group objects, atexit work of libraries): the
+    launcher is restarting the group, and a SIGTERM it sends meanwhile would otherwise turn the
+    documented status into death by signal."""
+    code = main()
+    if code == EXIT_RANK_FAILURE:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -385,6 +385,8 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
             write_summary(parts.run_dir, summary)
         succeeded = True
     finally:
+        if not succeeded:
+            _defer_stop_signals()
         if watchdog is not None:
             watchdog.close()
         for callback in all_callbacks:
@@ -396,6 +398,26 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
         if owns_process_group:
             _shutdown_process_group(succeeded)
     return summary
+
+
+def _defer_stop_signals() -> None:
+    """From here on a SIGTERM/SIGINT is noted and ignored: the run is already ending with an
+    error, and its cleanup and one-line report (a lost peer's name, exit 4) take milliseconds.
+    Under torchrun the agent SIGTERMs the survivors of a failed group at once; with the default
+    disposition they would die mid-cleanup without saying why. A process that does not end
+    anyway is SIGKILLed by its launcher after its grace (torchrun: 30 s)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def note(signum: int, frame: Any) -> None:
+        print(f"received {signal.Signals(signum).name} while ending after an error",
+              file=sys.stderr, flush=True)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, note)
 
 
 def _shutdown_process_group(succeeded: bool) -> None:
