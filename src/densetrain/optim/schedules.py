@@ -46,8 +46,8 @@ def lr_at(step: int, cfg: ScheduleConfig, total_steps: int) -> float:
     """Multiplier of the peak learning rate for update ``step`` (see the module docstring)."""
     if cfg.warmup_tokens > 0:
         raise UserError(
-            "schedule.warmup_tokens is unresolved; call JobConfig.validate()/resolve() (it "
-            "converts warmup_tokens into schedule.warmup_steps) before building the schedule"
+            "schedule.warmup_tokens is unresolved; build the schedule from "
+            "JobConfig.resolved(...) (it converts warmup_tokens into schedule.warmup_steps)"
         )
     warmup, floor = cfg.warmup_steps, cfg.min_lr_ratio
     if cfg.name == "rsqrt":

@@ -103,7 +103,7 @@ class MetricsLogger(Callback):
         if self.config.progress and terminal_output():
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=parts.training.steps, initial=progress.step, unit="step",
+            self.bar = tqdm(total=parts.settings.steps, initial=progress.step, unit="step",
                             dynamic_ncols=True, file=sys.stderr, desc="train")
         else:
             self.line_log = True
@@ -120,7 +120,7 @@ class MetricsLogger(Callback):
             sinks.append(WandbSink(
                 run_dir=parts.run_dir, project=self.config.wandb_project,
                 name=self.config.wandb_name, directory=self.config.wandb_dir,
-                mode=self.config.wandb_mode, config=tomllib.loads(parts.config_toml)))
+                mode=self.config.wandb_mode, config=tomllib.loads(parts.settings.config_toml)))
         return sinks
 
     def on_rollback(self, parts: RunParts, progress: Progress) -> None:

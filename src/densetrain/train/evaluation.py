@@ -162,7 +162,7 @@ class Evaluator:
             return {}
         stream = parts.data.val
         dp_size = parts.dp_size
-        rows = parts.training.global_batch_size // dp_size
+        rows = parts.settings.global_batch_size // dp_size
         mine = val_set.rank_slice(parts.pmesh.dp_rank, dp_size)
         batches = math.ceil(math.ceil(len(val_set.windows) / dp_size) / rows)
         total = torch.zeros((), dtype=torch.float64, device=parts.device)
@@ -172,7 +172,7 @@ class Evaluator:
             count = int((batch.targets != IGNORE_INDEX).sum())
             prepared = parts.model.prepare_batch(batch, parts.device)
             loss = parts.model.eval_loss(prepared, autocast=parts.autocast,
-                                         micro_batch_size=parts.training.micro_batch_size)
+                                         micro_batch_size=parts.settings.micro_batch_size)
             total += loss.double() * count
             tokens += count
         # Ranks of one data-parallel group hold the same windows: the sums over all ranks count

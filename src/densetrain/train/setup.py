@@ -29,7 +29,7 @@ from densetrain.train.metrics import (
     float8_emulation_warning,
     run_peak,
 )
-from densetrain.train.state import ModelSizes, Progress, RunParts
+from densetrain.train.state import ModelSizes, Progress, RunParts, RunSettings
 
 
 def seed_everything(seed: int) -> None:
@@ -214,12 +214,14 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
         scheduler=build_lr_scheduler(optimizer.torch_optimizer, job.schedule, training.steps),
         batch_schedule=job.batch_size_schedule(dims.dp_size), data=data, device=device,
         autocast=autocast_factory(device, _bf16_if_float8(training.dtype)), pmesh=pmesh,
-        training=training,
-        seq_len=job.data.seq_len,
-        grad_clip=job.optim.grad_clip, rank=rank, world_size=world_size, run_dir=run_dir,
+        settings=RunSettings(
+            steps=training.steps, global_batch_size=training.global_batch_size,
+            micro_batch_size=training.micro_batch_size, seq_len=job.data.seq_len,
+            grad_clip=job.optim.grad_clip, nan_policy=training.nan_policy,
+            config_toml=config_toml),
+        rank=rank, world_size=world_size, run_dir=run_dir,
         checkpoint_dir=(checkpoint_location(job.checkpoint.dir) if job.checkpoint.dir
                         else run_dir / "checkpoints"),
-        config_toml=config_toml,
         sizes=ModelSizes(params=counts.total, non_embedding_params=counts.non_embedding,
                          flops_per_token=flops_per_token_palm(model_cfg, job.data.seq_len)),
         peak=peak,

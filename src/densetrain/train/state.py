@@ -1,11 +1,11 @@
 """The run's state, split by lifetime.
 
 - `RunParts`: what was built once from the job (the laid-out model, the optimizer, schedules,
-  data, device, the mesh, paths and sizes, and the checkpoint session over them). Never
-  replaced during the run. What the run learns as it goes lives with its owner: the fault
-  record with the `FaultGuard` (train/faults.py; the session checkpoints it, `fault_record`
-  reads it). The one exception is ``peak``: the `RunPeak` that MFU divides by is re-probed in
-  place when it reads low.
+  data, device, the mesh, paths and sizes, and the checkpoint session over them), and the
+  frozen `RunSettings` the loop reads. Never replaced during the run. What the run learns as
+  it goes lives with its owner: the fault record with the `FaultGuard` (train/faults.py; the
+  session checkpoints it, `fault_record` reads it). The one exception is ``peak``: the
+  `RunPeak` that MFU divides by is re-probed in place when it reads low.
 - `Progress`: the checkpointed counters (``TrainerCounters``: optimizer steps taken and tokens
   consumed), restored on resume.
 - `StepReport`: what one step produced (loss, gradient norm, learning rate, timings and, on
@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from densetrain.checkpoint import CheckpointSession, TrainerCounters
-from densetrain.config.sections import TrainingConfig
 from densetrain.data.bundle import DataBundle
 from densetrain.models.config import ModelConfig
 from densetrain.optim.interface import TrainingOptimizer
@@ -47,6 +46,25 @@ class ModelSizes:
     flops_per_token: float
 
 
+@dataclass(kw_only=True, frozen=True)
+class RunSettings:
+    """The resolved job's values that the loop, evaluation and callbacks read, fixed for the
+    run (from the job `build_run` resolved; no config section is reachable from `RunParts`,
+    so nothing can change one mid-run)."""
+
+    steps: int
+    """``training.steps``: the step the run ends at."""
+    global_batch_size: int
+    """Sequences per step at the end of any batch ramp (``training.global_batch_size``)."""
+    micro_batch_size: int
+    """Sequences per forward/backward on one data-parallel rank (resolved, never 0)."""
+    seq_len: int
+    grad_clip: float
+    nan_policy: str
+    config_toml: str
+    """The resolved job as TOML: stored in each checkpoint, compared on resume, logged."""
+
+
 @dataclass(kw_only=True)
 class RunParts:
     """Everything built once for a run (see the module docstring)."""
@@ -60,15 +78,12 @@ class RunParts:
     device: torch.device
     autocast: Callable[[], AbstractContextManager[None]]
     pmesh: ParallelMesh
-    training: TrainingConfig
-    seq_len: int
-    grad_clip: float
+    settings: RunSettings
     rank: int
     world_size: int
     run_dir: Path
     checkpoint_dir: Path | str
     """A local directory, or a ``scheme://`` URL string (checkpoint/objstore.py)."""
-    config_toml: str
     sizes: ModelSizes
     peak: RunPeak
     """The peak FLOP/s of one device that MFU divides by (re-probed when it reads low)."""

@@ -110,7 +110,7 @@ class RunLoop:
     def run(self) -> None:
         """The loop."""
         parts, progress = self.parts, self.progress
-        total_steps = parts.training.steps
+        total_steps = parts.settings.steps
         self.guard.start(parts)
         for callback in self.callbacks:
             callback.on_train_start(parts, progress)
@@ -172,9 +172,9 @@ class RunLoop:
         global_batch = parts.batch_schedule.batch_size_at(progress.step)
         batch = parts.model.prepare_batch(parts.data.train.next_batch(global_batch), parts.device)
         self.phases.enter("step")
-        step_args = dict(micro_batch_size=parts.training.micro_batch_size,
-                         grad_clip=parts.grad_clip, autocast=parts.autocast,
-                         nan_policy=parts.training.nan_policy, step=progress.step + 1)
+        step_args = dict(micro_batch_size=parts.settings.micro_batch_size,
+                         grad_clip=parts.settings.grad_clip, autocast=parts.autocast,
+                         nan_policy=parts.settings.nan_policy, step=progress.step + 1)
         with collective_step(progress.step + 1):  # a failed collective names rank and step
             if self.guard.replay_due(progress.step + 1):  # computed twice and compared
                 output, mismatch = replayed_step(
@@ -185,7 +185,7 @@ class RunLoop:
                 output = train_step(parts.model, parts.optimizer, batch, **step_args)
         lr = float(parts.optimizer.param_groups[0]["lr"])
         parts.scheduler.step()
-        tokens = global_batch * parts.seq_len
+        tokens = global_batch * parts.settings.seq_len
         progress.step += 1
         progress.tokens += tokens
         self.process_tokens += tokens
@@ -210,7 +210,8 @@ def checkpoint_session(parts: RunParts, progress: Progress, job: JobConfig,
         model=ModelState(parts.model.module), optimizer=parts.optimizer,
         lr_schedule=parts.scheduler, batch_schedule=parts.batch_schedule,
         data=parts.data.train, progress=progress, faults=faults,
-        directory=parts.checkpoint_dir, run_dir=parts.run_dir, config_toml=parts.config_toml,
+        directory=parts.checkpoint_dir, run_dir=parts.run_dir,
+        config_toml=parts.settings.config_toml,
         keep_last=job.checkpoint.keep_last, async_save=job.checkpoint.async_save,
         timeout_s=job.parallel.collective_timeout_s, is_main=parts.is_main,
         after_load=parts.optimizer.after_weights_loaded, device=parts.device,
@@ -309,7 +310,7 @@ def finished_run_summary(parts: RunParts, progress: Progress) -> dict[str, Any]:
                     "losses, and training further writes a new summary)")
     if parts.is_main:
         print(f"densetrain train: the run in {parts.run_dir} is already finished (step "
-              f"{progress.step} of training.steps={parts.training.steps}); nothing trained, "
+              f"{progress.step} of training.steps={parts.settings.steps}); nothing trained, "
               f"{note}; raise --training.steps to train further", file=sys.stderr)
     return {**stored, "steps": progress.step, "tokens": progress.tokens,
             "run_dir": str(parts.run_dir), "already_finished": True}
