@@ -117,7 +117,7 @@ def _densetrain_step(spec: dict, dtype: str, compile_: bool, loss_chunk: int | N
     from densetrain.models import Transformer
     from densetrain.optim.interface import StandardOptimizer
     from densetrain.parallel.compile import apply_compile
-    from densetrain.parallel.model import LaidOutModel, model_loss_fn
+    from densetrain.parallel.model import SpmdModel, model_loss_fn
     from densetrain.train.device import autocast_factory
     from densetrain.train.step import train_step
 
@@ -128,7 +128,7 @@ def _densetrain_step(spec: dict, dtype: str, compile_: bool, loss_chunk: int | N
         apply_compile(model)
     opt = StandardOptimizer(model, _densetrain_optimizer(model))
     autocast = autocast_factory(torch.device("cpu"), dtype)
-    laid_out = LaidOutModel(module=model, loss_fn=model_loss_fn(loss_chunk))
+    laid_out = SpmdModel(module=model, loss_fn=model_loss_fn(loss_chunk))
 
     def step(batch) -> float:
         out = train_step(

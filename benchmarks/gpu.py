@@ -98,7 +98,7 @@ def run_child(size: str, seq: int, steps: int, warmup: int, smoke: bool,
     from densetrain.optim.interface import StandardOptimizer
     from densetrain.parallel.config import ParallelConfig
     from densetrain.parallel.mesh import ParallelDims
-    from densetrain.parallel.model import LaidOutModel, model_loss_fn
+    from densetrain.parallel.model import SpmdModel, model_loss_fn
     from densetrain.parallel.parallelize import parallelize
     from densetrain.train.device import autocast_factory, synchronize
     from densetrain.train.metrics import device_peak_flops
@@ -127,7 +127,7 @@ def run_child(size: str, seq: int, steps: int, warmup: int, smoke: bool,
         model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=not smoke
     )
     autocast = autocast_factory(device, "bf16")
-    laid_out = LaidOutModel(module=model, loss_fn=model_loss_fn(4096))
+    laid_out = SpmdModel(module=model, loss_fn=model_loss_fn(4096))
     training_optimizer = StandardOptimizer(model, optimizer)
 
     gen = torch.Generator(device=device).manual_seed(0)
