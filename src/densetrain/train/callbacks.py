@@ -296,9 +296,6 @@ class Checkpointer(Callback):
 
     def on_train_start(self, parts: RunParts, progress: Progress) -> None:
         """Open the session's writer for the run's checkpoint directory."""
-        if parts.checkpoints is None:
-            raise RuntimeError("the Checkpointer needs the run's checkpoint session "
-                               "(parts.checkpoints, built by train())")
         self.session, self._is_main = parts.checkpoints, parts.is_main
         self.session.open()
         if self.auto is not None:

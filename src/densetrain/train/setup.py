@@ -12,7 +12,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from densetrain.checkpoint import CheckpointError, TrainerCounters, load_model_weights
+from densetrain.checkpoint import (
+    CheckpointError,
+    CheckpointSession,
+    ModelState,
+    TrainerCounters,
+    load_model_weights,
+)
 from densetrain.checkpoint.objstore import check_reachable, checkpoint_location, is_remote
 from densetrain.config.job import JobConfig
 from densetrain.errors import DamagedFileError, UserError, describe_error
@@ -23,6 +29,7 @@ from densetrain.parallel.compile import check_cpu_compiler
 from densetrain.parallel.mesh import ParallelMesh
 from densetrain.parallel.model import LaidOutModel
 from densetrain.train.device import autocast_factory, resolve_device, tune_cpu_threads
+from densetrain.train.fault_record import FaultRecord
 from densetrain.train.host_malloc import tune_host_allocator
 from densetrain.train.metrics import (
     cpu_bf16_warning,
@@ -209,21 +216,32 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
                 print(warning, file=sys.stderr, flush=True)
     if job.checkpoint.enabled and is_remote(job.checkpoint.dir):
         check_reachable(job.checkpoint.dir)  # a missing bucket is named before any step
+    scheduler = build_lr_scheduler(optimizer.torch_optimizer, job.schedule, training.steps)
+    batch_schedule = job.batch_size_schedule(dims.dp_size)
+    checkpoint_dir = (checkpoint_location(job.checkpoint.dir) if job.checkpoint.dir
+                      else run_dir / "checkpoints")
+    progress = TrainerCounters()
+    # The run's checkpoints over the parts just built (schema, saves, resume, rollback); its
+    # fault record is the one the FaultGuard fills (train/faults.py).
+    checkpoints = CheckpointSession(
+        model=ModelState(model.module), optimizer=optimizer, lr_schedule=scheduler,
+        batch_schedule=batch_schedule, data=data.train, progress=progress,
+        faults=FaultRecord(), directory=checkpoint_dir, run_dir=run_dir,
+        config_toml=config_toml, keep_last=job.checkpoint.keep_last,
+        async_save=job.checkpoint.async_save, timeout_s=job.parallel.collective_timeout_s,
+        is_main=rank == 0, after_load=optimizer.after_weights_loaded, device=device)
     parts = RunParts(
         model=model, model_cfg=model_cfg, optimizer=optimizer,
-        scheduler=build_lr_scheduler(optimizer.torch_optimizer, job.schedule, training.steps),
-        batch_schedule=job.batch_size_schedule(dims.dp_size), data=data, device=device,
+        scheduler=scheduler, batch_schedule=batch_schedule, data=data, device=device,
         autocast=autocast_factory(device, _bf16_if_float8(training.dtype)), pmesh=pmesh,
         settings=RunSettings(
             steps=training.steps, global_batch_size=training.global_batch_size,
             micro_batch_size=training.micro_batch_size, seq_len=job.data.seq_len,
             grad_clip=job.optim.grad_clip, nan_policy=training.nan_policy,
             config_toml=config_toml),
-        rank=rank, world_size=world_size, run_dir=run_dir,
-        checkpoint_dir=(checkpoint_location(job.checkpoint.dir) if job.checkpoint.dir
-                        else run_dir / "checkpoints"),
+        rank=rank, world_size=world_size, run_dir=run_dir, checkpoint_dir=checkpoint_dir,
         sizes=ModelSizes(params=counts.total, non_embedding_params=counts.non_embedding,
                          flops_per_token=flops_per_token_palm(model_cfg, job.data.seq_len)),
-        peak=peak,
+        peak=peak, checkpoints=checkpoints,
     )
-    return parts, TrainerCounters()
+    return parts, progress

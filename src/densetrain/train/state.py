@@ -3,8 +3,8 @@
 - `RunParts`: what was built once from the job (the laid-out model, the optimizer, schedules,
   data, device, the mesh, paths and sizes, and the checkpoint session over them), and the
   frozen `RunSettings` the loop reads. Never replaced during the run. What the run learns as
-  it goes lives with its owner: the fault record with the `FaultGuard` (train/faults.py; the
-  session checkpoints it, `fault_record` reads it). The one exception is ``peak``: the
+  it goes is not a field: the fault record is an entry of the checkpoint session, filled by
+  the `FaultGuard` (train/faults.py). The one exception is ``peak``: the
   `RunPeak` that MFU divides by is re-probed in place when it reads low.
 - `Progress`: the checkpointed counters (``TrainerCounters``: optimizer steps taken and tokens
   consumed), restored on resume.
@@ -87,18 +87,14 @@ class RunParts:
     sizes: ModelSizes
     peak: RunPeak
     """The peak FLOP/s of one device that MFU divides by (re-probed when it reads low)."""
-    checkpoints: CheckpointSession | None = None
-    """The run's checkpoints over these parts (schema, resume, saves, rollback): built by
-    `train` once the parts are (train/trainer.py `checkpoint_session`); the loop, the
-    `Checkpointer` and the `FaultGuard` use it."""
+    checkpoints: CheckpointSession
+    """The run's checkpoints over these parts (schema, resume, saves, rollback), built with
+    them by `build_run`; the loop, the `Checkpointer` and the `FaultGuard` use it."""
 
     @property
     def fault_record(self) -> FaultRecord:
-        """The run's skipped steps, rollbacks and skipped data ranges: the `FaultGuard`'s
-        record, as the checkpoint session saves it (read-only view; train/faults.py)."""
-        if self.checkpoints is None:
-            raise RuntimeError("the fault record is the checkpoint session's faults entry "
-                               "(parts.checkpoints, built by train())")
+        """The run's skipped steps, rollbacks and skipped data ranges: the record the
+        `FaultGuard` fills and the checkpoint session saves (train/faults.py)."""
         return self.checkpoints.faults
 
     @property

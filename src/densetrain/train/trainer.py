@@ -16,11 +16,11 @@ One job, as the code runs it (docs/architecture.md has the package map)::
         build_model(model_cfg, job.parallel, pmesh)      parallel/build.py
           meta Transformer → parallelize → to_empty → init_weights   (pp: per stage)
         build_optimizer(...) → TrainingOptimizer         parallel/parallelize.py, zero.py
+        CheckpointSession over the parts               checkpoint/session.py
       acquire_run_lock, GoodputLedger, HangWatchdog,   checkpoint/lock.py, train/goodput.py,
         StragglerMonitor, PreemptionHandler              watchdog.py, stragglers.py,
                                                          checkpoint/preemption.py
-      FaultGuard(job.faults) (owns the FaultRecord)    train/faults.py, sdc.py
-      checkpoint_session(parts, progress, job, record) here; checkpoint/session.py
+      FaultGuard(job.faults, record=the session's)     train/faults.py, sdc.py
       resume(parts, progress)                          here; checkpoint/session.py, resume.py
       RunLoop.run: prepare_batch → train_step (replayed? → guard.note_replay) → scheduler
                 → guard.after_step → Decision          train/step.py, replay.py, faults.py
@@ -45,14 +45,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from densetrain.checkpoint import CheckpointSession
 from densetrain.config.job import JobConfig
 from densetrain.errors import UserError, describe_error
 from densetrain.parallel.distributed import collective_step
 from densetrain.train.auto_interval import auto_interval
 from densetrain.train.callbacks import Callback, Checkpointer, LossPlot, MetricsLogger, Sampler
 from densetrain.train.evaluation import Evaluator
-from densetrain.train.fault_record import FaultRecord
 from densetrain.train.faults import Act, Decision, FaultGuard, build_replica_check
 from densetrain.train.goodput import GoodputLedger
 from densetrain.train.phases import PhaseTracker
@@ -199,25 +197,6 @@ class RunLoop:
         )
 
 
-def checkpoint_session(parts: RunParts, progress: Progress, job: JobConfig,
-                       faults: FaultRecord) -> CheckpointSession:
-    """The run's `CheckpointSession` over its built parts, progress counters and fault record
-    (the `FaultGuard`'s), saving as ``[checkpoint]`` says (``keep_last``, ``async_save``;
-    background collectives bounded by ``parallel.collective_timeout_s``)."""
-    from densetrain.checkpoint import ModelState
-
-    return CheckpointSession(
-        model=ModelState(parts.model.module), optimizer=parts.optimizer,
-        lr_schedule=parts.scheduler, batch_schedule=parts.batch_schedule,
-        data=parts.data.train, progress=progress, faults=faults,
-        directory=parts.checkpoint_dir, run_dir=parts.run_dir,
-        config_toml=parts.settings.config_toml,
-        keep_last=job.checkpoint.keep_last, async_save=job.checkpoint.async_save,
-        timeout_s=job.parallel.collective_timeout_s, is_main=parts.is_main,
-        after_load=parts.optimizer.after_weights_loaded, device=parts.device,
-    )
-
-
 def resume(parts: RunParts, progress: Progress, *, allow_config_change: bool = False) -> str:
     """Load the newest checkpoint that verifies into the run (if any); returns its path or "".
 
@@ -351,8 +330,7 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
         lock = acquire_run_lock(job.logging.run_dir)
         parts, progress = build_run(job)
         guard = FaultGuard(job.faults, replica_check=build_replica_check(
-            job.faults, job.parallel, parts.pmesh))
-        parts.checkpoints = checkpoint_session(parts, progress, job, guard.record)
+            job.faults, job.parallel, parts.pmesh), record=parts.fault_record)
         watchdog = start_watchdog(job.faults, rank=parts.rank, run_dir=parts.run_dir)
         ledger = GoodputLedger(parts.run_dir, write=parts.is_main, started=started)
         resumed_from = ""
@@ -392,7 +370,7 @@ def train(job: JobConfig, *, callbacks: Sequence[Callback] | None = None) -> dic
             watchdog.close()
         for callback in all_callbacks:
             callback.close()  # the Checkpointer waits for a save still in flight
-        if parts is not None and parts.checkpoints is not None:
+        if parts is not None:
             parts.checkpoints.close()
         if lock is not None:
             lock.release()
