@@ -86,8 +86,7 @@ def run_dry(job, args: argparse.Namespace) -> int:
                             f"(0..{args.world_size - 1})")
     else:
         ranks = default_ranks(args.world_size, dims.pp)
-    job.validate(world_size=dims.world_size, dp_size=dims.dp_size)  # the real run's one line
-    job = job.resolved(world_size=dims.world_size, dp_size=dims.dp_size)
+    job = job.checked(world_size=dims.world_size, dp_size=dims.dp_size)  # the real run's line
     reports = dry_run_ranks(job, args.world_size, ranks)
     from densetrain.dryrun.predict import comm_by_rank, planner_by_rank
 

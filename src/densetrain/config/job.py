@@ -11,6 +11,7 @@ Validation and resolution are separate: ``validate`` checks and modifies nothing
 ``resolved(world_size, dp_size)`` returns a new job with the derived fields filled (the global
 batch and warmup from their token forms, the micro-batch size that 0 stands for), which is the
 job the trainer, the dry run and the planner run and the config a run saves for its resume.
+``checked(world_size, dp_size)`` does both in one pass (what the loader and the trainer call).
 """
 
 from __future__ import annotations
@@ -211,6 +212,14 @@ class JobConfig:
         from densetrain.config.rules import validate_job
 
         validate_job(self, world_size=world_size, dp_size=dp_size, check_model=check_model)
+
+    def checked(self, world_size: int | None = 1, dp_size: int | None = None) -> JobConfig:
+        """`validate` and `resolved` in one pass: the job validated for ``world_size`` (and
+        ``dp_size``) and returned with its derived fields filled. ``self`` is not modified;
+        the result equals ``self.resolved(world_size, dp_size)`` of a job that validates."""
+        from densetrain.config.rules import validate_job
+
+        return validate_job(self, world_size=world_size, dp_size=dp_size)
 
     def batch_size_schedule(self, dp_size: int = 1):
         """The ``BatchSizeSchedule`` of this job (constant unless ``schedule.batch_ramp_start``)."""

@@ -92,8 +92,7 @@ def job_config_from_dict(data: dict, *, source: str = "<dict>", validate: bool =
     job = JobConfig()
     _merge_into(job, data, source)
     if validate:
-        job.validate(world_size=None)
-        return job.resolved(world_size=None)
+        return job.checked(world_size=None)
     return job
 
 
@@ -170,8 +169,7 @@ def load_job_config(
         apply_override(job, key, value, text)
     if path is None:
         _scale_default_warmup(job, {key for key, _, _ in parsed})
-    job.validate(world_size=world_size)
-    return job.resolved(world_size=world_size)
+    return job.checked(world_size=world_size)
 
 
 def parse_overrides(arguments: list[str]) -> list[tuple[str, str | None, str]]:

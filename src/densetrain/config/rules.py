@@ -156,23 +156,28 @@ def validate_job(
     world_size: int | None = 1,
     dp_size: int | None = None,
     check_model: bool = True,
-) -> None:
-    """Validate each section, then check the rules across sections on the resolved values.
+) -> J:
+    """Validate each section, then check the rules across sections on the resolved values;
+    return the resolved job (what `resolve_job` returns for the same arguments).
 
     ``job`` is not modified: the derived values (`resolve_job`) are resolved into a private copy,
     step by step where the checks need them, which keeps the order in which a job with several
-    problems is told them.
+    problems is told them; that copy, checked, is the result, so that a caller validates and
+    resolves in one pass (`JobConfig.checked`).
 
     ``world_size`` None skips the checks that need it (degrees multiplying to the world size)
     and checks batch divisibility against the data-parallel size the config fixes.
     """
     job = _own_derived_sections(job)
-    if job.training.micro_batch_size == 0:
+    away = world_size is None and dp_size is None
+    derive_micro = job.training.micro_batch_size == 0
+    if derive_micro:
         # The derived micro-batch size is checked like a stated one (layout, ramp); away from
         # the cluster (world_size and dp_size None) against the data-parallel size the config
         # fixes, as the trainer derives it again with its own.
         job.training.validate()
         known_dp = dp_size or data_parallel_size(job, world_size)
+        dp_size = known_dp if dp_size is None else dp_size
         job.training.micro_batch_size = job.derived_micro_batch_size(known_dp)
     if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
         raise UserError(f"world size must be a positive integer, got {world_size!r}")
@@ -197,6 +202,11 @@ def validate_job(
     _check_batch(job, dp_size)
     _resolve_warmup(job, dp_size)
     _check_schedule_fits_run(job)
+    if derive_micro and away:
+        # Checked against the config's own data-parallel size, but not final away from the
+        # cluster: the result keeps "derive" (0), as `resolve_job` does.
+        job.training.micro_batch_size = 0
+    return job
 
 
 def _check_layout(job: JobSections, model_cfg: Any, world_size: int | None) -> None:

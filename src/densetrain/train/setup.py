@@ -168,9 +168,8 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
     # parallel.layout_check included), before any process group; the parts are built from the
     # resolved copy (derived fields filled), which is also the config saved for a resume.
     world_size = env_world_size()
-    job.validate(world_size=world_size)
+    job = job.checked(world_size=world_size)
     dims = ParallelDims.from_config(job.parallel, world_size)
-    job = job.resolved(world_size=dims.world_size, dp_size=dims.dp_size)
     rank, world_size, local_rank = _init_distributed(job)
     assert world_size == dims.world_size, "the process group disagrees with WORLD_SIZE"
     device = resolve_device(job.training.device, local_rank=local_rank)

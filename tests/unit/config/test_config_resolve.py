@@ -78,6 +78,9 @@ def test_resolve_job_fills_the_derived_fields_and_leaves_its_input(overrides, wo
     job.validate(world_size=world_size, dp_size=dp_size)
     resolved.validate(world_size=world_size, dp_size=dp_size)
     assert dataclasses.asdict(job) == before
+    # Validating and resolving in one pass gives the same job, and modifies nothing either.
+    assert job.checked(world_size=world_size, dp_size=dp_size) == resolved
+    assert dataclasses.asdict(job) == before
 
 
 def test_the_loader_returns_the_resolved_copy():
@@ -95,3 +98,6 @@ def test_resolve_job_raises_what_validate_raises_for_a_derivation():
     with pytest.raises(ValueError) as validated:
         job.validate()
     assert str(told.value) == str(validated.value)
+    with pytest.raises(ValueError) as checked:
+        job.checked()
+    assert str(checked.value) == str(validated.value)
