@@ -18,6 +18,8 @@ figures, and the same state is written to both places. Per round, interleaved
 1. save: a synchronous save (`async_save=False`: shards, config, manifest with the SHA-256 of
    every object read back), and load: `load_checkpoint(verify=False)`, then verify
    (`verify_checkpoint`, the check a resume runs first); MB/s = checkpoint bytes / seconds;
+   on S3 the load also runs through DCP's own ``FsspecReader`` beside densetrain's reader, and
+   the bytes s3fs fetches for each are counted (as a multiple of the checkpoint's size);
 2. raw: the same number of bytes as one object, s3fs ``pipe_file``/``cat_file`` and boto3
    ``put_object``/``get_object`` (the ceiling of this client and server);
 3. async stall: `AsyncCheckpointer(async_save=True).save` (the time the training loop is
@@ -98,6 +100,24 @@ def _clear(where: str, fs) -> None:
         shutil.rmtree(where, ignore_errors=True)
 
 
+_FETCHED = [0]
+"""Bytes s3fs has fetched for reads in this process (`_count_fetches`)."""
+
+
+def _count_fetches() -> None:
+    """Count every byte s3fs fetches for a file read (its range fetches, any cache)."""
+    import s3fs.core
+
+    real = s3fs.core.S3File._fetch_range
+
+    def fetch(self, start: int, end: int) -> bytes:
+        data = real(self, start, end)
+        _FETCHED[0] += len(data)
+        return data
+
+    s3fs.core.S3File._fetch_range = fetch
+
+
 def _checkpoint_round(where: str, fs, model, optimizer, step: int) -> dict:
     """Sync save, load, verify, then an async save's stall and background time."""
     _clear(where, fs)
@@ -112,9 +132,23 @@ def _checkpoint_round(where: str, fs, model, optimizer, step: int) -> dict:
         out["bytes"] = _size(fs, str(path)[5:])
     else:
         out["bytes"] = sum(f.stat().st_size for f in Path(path).iterdir())
+    fetched = _FETCHED[0]
     began = time.perf_counter()
     load_checkpoint(path, _state(model, optimizer, 0), verify=False)
     out["load_s"] = time.perf_counter() - began
+    if where.startswith("s3://"):
+        # The same load through DCP's own fsspec reader, side by side: plan order through
+        # s3fs's default read-ahead cache (what densetrain's reader replaces).
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        out["load_fetched_x"] = (_FETCHED[0] - fetched) / out["bytes"]
+        fetched = _FETCHED[0]
+        began = time.perf_counter()
+        dcp.load(_state(model, optimizer, 0), storage_reader=FsspecReader(str(path)),
+                 no_dist=True)
+        out["dcp_load_s"] = time.perf_counter() - began
+        out["dcp_load_fetched_x"] = (_FETCHED[0] - fetched) / out["bytes"]
     began = time.perf_counter()
     assert verify_checkpoint(path) == []
     out["verify_s"] = time.perf_counter() - began
@@ -180,6 +214,7 @@ def main() -> None:
         s3fs.S3FileSystem.clear_instance_cache()
         fs = s3fs.S3FileSystem()
         fs.mkdir("bench")
+        _count_fetches()
         rows: dict[str, list[dict]] = {"disk": [], "s3": [], "raw": []}
         with tempfile.TemporaryDirectory() as tmp:
             for index in range(args.rounds):
@@ -219,6 +254,10 @@ def main() -> None:
     for lib in ("s3fs", "boto3"):
         put, get = med("raw", f"{lib}_put_s"), med("raw", f"{lib}_get_s")
         print(f"| {lib} | {put:.2f} | {mb / put:.0f} | {get:.2f} | {mb / get:.0f} |")
+    print(f"\nS3 load, side by side: densetrain's reader {med('s3', 'load_s'):.2f} s, fetched "
+          f"{med('s3', 'load_fetched_x'):.2f}x the checkpoint; DCP's FsspecReader "
+          f"{med('s3', 'dcp_load_s'):.2f} s, {med('s3', 'dcp_load_fetched_x'):.2f}x "
+          f"(speed-up {med('s3', 'dcp_load_s') / med('s3', 'load_s'):.2f}x)")
     stalls = {k: [round(r["stall_s"], 3) for r in rows[k]] for k in ("disk", "s3")}
     ratio = med("s3", "stall_s") / med("disk", "stall_s")
     per_round = statistics.median(s["stall_s"] / d["stall_s"]
