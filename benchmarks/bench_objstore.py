@@ -19,7 +19,9 @@ figures, and the same state is written to both places. Per round, interleaved
    every object read back), and load: `load_checkpoint(verify=False)`, then verify
    (`verify_checkpoint`, the check a resume runs first); MB/s = checkpoint bytes / seconds;
    on S3 the load also runs through DCP's own ``FsspecReader`` beside densetrain's reader, and
-   the bytes s3fs fetches for each are counted (as a multiple of the checkpoint's size);
+   the bytes s3fs fetches for each are counted (as a multiple of the checkpoint's size); and
+   the step after DCP's write (config, manifest) is timed from the digests taken as the bytes
+   were sent (what a save does) and from the objects read back and hashed;
 2. raw: the same number of bytes as one object, s3fs ``pipe_file``/``cat_file`` and boto3
    ``put_object``/``get_object`` (the ceiling of this client and server);
 3. async stall: `AsyncCheckpointer(async_save=True).save` (the time the training loop is
@@ -44,8 +46,15 @@ import urllib.request
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
-from densetrain.checkpoint import ModelState, TrainerCounters, load_checkpoint, verify_checkpoint
+from densetrain.checkpoint import (
+    ModelState,
+    TrainerCounters,
+    load_checkpoint,
+    objstore,
+    verify_checkpoint,
+)
 from densetrain.checkpoint.async_save import AsyncCheckpointer
 from densetrain.models.config import ModelConfig
 from densetrain.models.transformer import Transformer
@@ -132,6 +141,18 @@ def _checkpoint_round(where: str, fs, model, optimizer, step: int) -> dict:
         out["bytes"] = _size(fs, str(path)[5:])
     else:
         out["bytes"] = sum(f.stat().st_size for f in Path(path).iterdir())
+    if where.startswith("s3://"):
+        # The manifest from the digests taken as the bytes were sent (what a save does) against
+        # hashing the stored objects read back, side by side on the same shards.
+        for key, hashed_as_sent in (("seal_sent", True), ("seal_readback", False)):
+            _clear(where, fs)
+            final, _ = objstore.begin(where, step)
+            storage = objstore.writer(final)
+            dcp.save(_state(model, optimizer, step), storage_writer=storage, no_dist=True)
+            began = time.perf_counter()
+            objstore.seal(where, final, step, config_toml="x = 1\n", keep_last=0,
+                          written=storage.written() if hashed_as_sent else None)
+            out[f"{key}_s"] = time.perf_counter() - began
     fetched = _FETCHED[0]
     began = time.perf_counter()
     load_checkpoint(path, _state(model, optimizer, 0), verify=False)
@@ -139,7 +160,6 @@ def _checkpoint_round(where: str, fs, model, optimizer, step: int) -> dict:
     if where.startswith("s3://"):
         # The same load through DCP's own fsspec reader, side by side: plan order through
         # s3fs's default read-ahead cache (what densetrain's reader replaces).
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         out["load_fetched_x"] = (_FETCHED[0] - fetched) / out["bytes"]
@@ -258,6 +278,9 @@ def main() -> None:
           f"{med('s3', 'load_fetched_x'):.2f}x the checkpoint; DCP's FsspecReader "
           f"{med('s3', 'dcp_load_s'):.2f} s, {med('s3', 'dcp_load_fetched_x'):.2f}x "
           f"(speed-up {med('s3', 'dcp_load_s') / med('s3', 'load_s'):.2f}x)")
+    print(f"S3 save, after the shards: manifest from the digests taken as the bytes were sent "
+          f"{med('s3', 'seal_sent_s'):.2f} s, from the objects read back and hashed "
+          f"{med('s3', 'seal_readback_s'):.2f} s")
     stalls = {k: [round(r["stall_s"], 3) for r in rows[k]] for k in ("disk", "s3")}
     ratio = med("s3", "stall_s") / med("disk", "stall_s")
     per_round = statistics.median(s["stall_s"] / d["stall_s"]

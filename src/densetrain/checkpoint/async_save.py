@@ -117,16 +117,17 @@ class AsyncCheckpointer:
             return
         try:
             collective.quiet_single_process_notice()
-            written = dcp.async_save(_own_objects(tree), storage_writer=objstore.writer(final),
+            storage = objstore.writer(final)
+            written = dcp.async_save(_own_objects(tree), storage_writer=storage,
                                      process_group=self.group, no_dist=not collective.dist_on())
         except BaseException as err:
             self._drop_remote(final)
             raise save_failure(err, final, step, lambda e: objstore.describe_failure(
                 e, final, step)) from err
         assert self._executor is not None
-        self._pending = self._executor.submit(self._finish_remote, written, final, step)
+        self._pending = self._executor.submit(self._finish_remote, written, storage, final, step)
 
-    def _finish_remote(self, written: Future, final: str, step: int) -> str:
+    def _finish_remote(self, written: Future, storage: Any, final: str, step: int) -> str:
         """Background: wait for DCP's write to the store, then config and manifest."""
         try:
             written.result()
@@ -135,7 +136,8 @@ class AsyncCheckpointer:
             raise save_failure(err, final, step, lambda e: objstore.describe_failure(
                 e, final, step)) from err
         return objstore.seal(self.root, final, step, config_toml=self.config_toml,
-                             keep_last=self.keep_last, group=self.group)
+                             keep_last=self.keep_last, written=storage.written(),
+                             group=self.group)
 
     @staticmethod
     def _drop_remote(final: str) -> None:

@@ -4,7 +4,8 @@
 with its ``.tmp`` rename). Any other scheme goes through fsspec: the DCP shards are written by
 DCP's own fsspec storage (``FsspecWriter`` / ``FsspecReader``) straight under the final prefix
 ``<dir>/step-N/``, then ``config.toml``, then ``manifest.json`` (size and SHA-256 of every file,
-hashed by reading the uploaded objects back). An object store has no atomic rename, so a prefix
+hashed by each rank as its bytes are sent, `HashingWriter`; before the manifest, the store's
+listing must show every object at the size sent). An object store has no atomic rename, so a prefix
 is a checkpoint only when its manifest exists and verifies; one without a manifest, or whose
 files do not match it, is partial: resume names it and skips it, listing and pruning leave it.
 A save of step N over a partial ``step-N`` prefix removes the manifest first, then the rest.
@@ -326,11 +327,79 @@ def begin(url: str, step: int, group: Any = None) -> tuple[str, bool]:
     return final, bool(collective.gather_all(skip, group)[0])
 
 
-def writer(final: str) -> Any:
-    """DCP's fsspec storage writer for the prefix ``final`` (shards and ``.metadata``)."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+class _HashedStream:
+    """A write stream that hashes what passes through it (every other call goes to the
+    stream it wraps)."""
 
-    return FsspecWriter(final)
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.digest = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.digest.update(view)
+        self.size += view.nbytes
+        return self._stream.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def writer(final: str) -> Any:
+    """DCP's fsspec storage writer for the prefix ``final`` (shards and ``.metadata``) that
+    records the size and SHA-256 of every object this rank writes (`HashingWriter.written`).
+
+    Hashing the bytes as they are sent, rather than reading the objects back, keeps a save to
+    one transfer (a read-back was a second one, all of it on rank 0: at scale, the whole
+    checkpoint downloaded by one process), and the manifest then records what the job meant
+    to store, which every later verification compares the store against. Written here because
+    DCP's writer keeps no digests; it wraps DCP's fsspec storage, not a copy of it.
+    """
+    import threading
+    from contextlib import contextmanager
+
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWriter
+
+    class HashingFileSystem(FileSystem):
+        def __init__(self) -> None:
+            super().__init__()
+            self.digests: dict[str, FileDigest] = {}
+            self._lock = threading.Lock()  # DCP may write files on several threads
+
+        @contextmanager
+        def create_stream(self, path: Any, mode: str):
+            with super().create_stream(path, mode) as stream:
+                if "w" not in mode:
+                    yield stream
+                    return
+                hashed = _HashedStream(stream)
+                yield hashed
+            name = posixpath.basename(str(path))
+            with self._lock:
+                self.digests[name] = FileDigest(name=name, size=hashed.size,
+                                                sha256=hashed.digest.hexdigest())
+
+        def rename(self, path: Any, new_path: Any) -> None:
+            super().rename(path, new_path)  # DCP's .metadata.tmp -> .metadata
+            with self._lock:
+                digest = self.digests.pop(posixpath.basename(str(path)), None)
+                if digest is not None:
+                    name = posixpath.basename(str(new_path))
+                    self.digests[name] = FileDigest(name=name, size=digest.size,
+                                                    sha256=digest.sha256)
+
+    class HashingWriter(FsspecWriter):
+        def __init__(self, path: str) -> None:
+            super().__init__(path)
+            self.fs = HashingFileSystem()
+            self.path = self.fs.init_path(path)
+
+        def written(self) -> list[FileDigest]:
+            """Size and SHA-256 of each object this rank has written, by name."""
+            return sorted(self.fs.digests.values(), key=lambda d: d.name)
+
+    return HashingWriter(final)
 
 
 def describe_failure(err: BaseException, final: str, step: int) -> str:
@@ -339,19 +408,29 @@ def describe_failure(err: BaseException, final: str, step: int) -> str:
 
 
 def seal(url: str, final: str, step: int, *, config_toml: str | None, keep_last: int,
-         group: Any = None) -> str:
+         written: list[FileDigest] | None = None, group: Any = None) -> str:
     """After the shards of ``final`` are written (collective over ``group``): rank 0 writes
-    ``config.toml``, then ``manifest.json`` (last), then prunes. Returns ``final``."""
+    ``config.toml``, then ``manifest.json`` (last), then prunes. Returns ``final``.
+
+    ``written``: this rank's digests of what it wrote (`writer`'s ``written()``); the ranks'
+    lists are gathered and, after the store's listing shows each object at the size sent
+    (a missing or resized one fails the save, naming it), become the manifest. None (a writer
+    that kept no digests) hashes the stored objects instead, read back by rank 0.
+    """
     from densetrain.checkpoint.manager import CheckpointError
 
+    gathered = collective.gather_all(written, group)
     failure = None
     if collective.rank() == 0:
         try:
             fs, path = filesystem(final)
             if config_toml is not None:
                 fs.pipe_file(f"{path}/{CONFIG_FILE}", config_toml.encode("utf-8"))
-            digests = [_digest(final, name) for name in sorted(_files(final))
-                       if name != MANIFEST_FILE]
+            if any(part is None for part in gathered):
+                digests = [_digest(final, name) for name in sorted(_files(final))
+                           if name != MANIFEST_FILE]
+            else:
+                digests = _sent_digests(final, gathered, config_toml)
             text = manifest_text(digests, step=step,
                                  config_sha256=sha256_text(config_toml or ""))
             fs.pipe_file(f"{path}/{MANIFEST_FILE}", text.encode("utf-8"))  # last
@@ -363,6 +442,27 @@ def seal(url: str, final: str, step: int, *, config_toml: str | None, keep_last:
     if failure:
         raise CheckpointError(failure)
     return final
+
+
+def _sent_digests(final: str, gathered: list[list[FileDigest]],
+                  config_toml: str | None) -> list[FileDigest]:
+    """The ranks' digests of what they sent (and the config's), once the store's listing
+    shows exactly those objects at those sizes; otherwise an ``OSError`` naming each
+    difference."""
+    digests = {d.name: d for part in gathered for d in part}
+    if config_toml is not None:
+        data = config_toml.encode("utf-8")
+        digests[CONFIG_FILE] = FileDigest(name=CONFIG_FILE, size=len(data),
+                                          sha256=hashlib.sha256(data).hexdigest())
+    stored = {n: size for n, size in _files(final).items() if n != MANIFEST_FILE}
+    problems = [f"{n}: missing" for n in sorted(digests) if n not in stored]
+    problems += [f"{n}: {stored[n]} bytes stored, {digests[n].size} sent" for n in sorted(digests)
+                 if n in stored and stored[n] != digests[n].size]
+    problems += [f"{n}: stored, but no rank wrote it" for n in sorted(stored)
+                 if n not in digests]
+    if problems:
+        raise OSError(f"the store does not hold what was written ({'; '.join(problems)})")
+    return [digests[n] for n in sorted(digests)]
 
 
 def save(url: str, step: int, tree: Mapping[str, Any], *, config_toml: str | None,
@@ -377,10 +477,12 @@ def save(url: str, step: int, tree: Mapping[str, Any], *, config_toml: str | Non
         return final
     try:
         collective.quiet_single_process_notice()
-        dcp.save(tree, storage_writer=writer(final), no_dist=not collective.dist_on())
+        storage = writer(final)
+        dcp.save(tree, storage_writer=storage, no_dist=not collective.dist_on())
     except BaseException as err:
         raise CheckpointError(_describe(err, final, step)) from err
-    return seal(url, final, step, config_toml=config_toml, keep_last=keep_last)
+    return seal(url, final, step, config_toml=config_toml, keep_last=keep_last,
+                written=storage.written())
 
 
 def report_skipped(checkpoint: str, damage: list[Damage], more: bool) -> None:

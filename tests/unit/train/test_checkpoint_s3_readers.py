@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from densetrain.checkpoint import list_checkpoints
 from densetrain.cli.main import main
@@ -36,7 +37,7 @@ def test_async_save_to_s3_resumes_bit_exact(make_job, s3, monkeypatch) -> None:
     real = dcp.async_save
 
     def counted(*args, **kwargs):
-        started.append(type(kwargs.get("storage_writer")).__name__)
+        started.append(isinstance(kwargs.get("storage_writer"), FsspecWriter))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(dcp, "async_save", counted)
@@ -46,7 +47,7 @@ def test_async_save_to_s3_resumes_bit_exact(make_job, s3, monkeypatch) -> None:
                    run="interrupted")
     with pytest.raises(KeyboardInterrupt):
         train(job, callbacks=[InterruptAfter(at=4)])
-    assert started and set(started) == {"FsspecWriter"}  # written in the background
+    assert started and all(started)  # written in the background, by DCP's fsspec writer
     assert [s for s, _ in list_checkpoints("s3://ckpt/run")] == [2, 4]
     names = {p.rsplit("/", 1)[1] for p in s3.ls("ckpt/run/step-00000004")}
     assert {".metadata", "config.toml", "manifest.json"} <= names

@@ -1,6 +1,10 @@
-"""A checkpoint on an object store is fetched once per load, not once per tensor read.
+"""A checkpoint on an object store costs one transfer: a save sends each object once and reads
+none back; a load fetches each block of a shard once.
 
-Against a real local S3 server (moto's standalone server, the ``s3`` fixture). DCP's writer
+Against a real local S3 server (moto's standalone server, the ``s3`` fixture). A save hashes
+what it sends; the manifest must equal the SHA-256 of the objects as stored (hashed here
+independently from ``cat_file``), and an object changed in the store before the manifest is
+written fails the save, naming it. DCP's writer
 stores tensors largest first and its reader reads them in the model's order, each through
 ``torch.load`` on a slice (its zip directory at the end first); through s3fs's default
 read-ahead cache that fetched blocks several times (2.9x the shard for a 247 MB checkpoint in
@@ -11,12 +15,22 @@ The bytes fetched are counted where s3fs fetches a range (``S3File._fetch_range`
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
-from densetrain.checkpoint import load_checkpoint, objstore, safe_pickle
+from densetrain.checkpoint import (
+    collective,
+    load_checkpoint,
+    objstore,
+    safe_pickle,
+    verify_checkpoint,
+)
+from densetrain.checkpoint.manager import CheckpointError
 
 _MISSING = [m for m in ("s3fs", "moto") if importlib.util.find_spec(m) is None]
 pytestmark = pytest.mark.skipif(
@@ -68,3 +82,36 @@ def test_a_load_fetches_each_block_of_the_shard_once(s3, monkeypatch) -> None:
     # Every byte of the shard is needed once; the rest is the metadata objects and the last,
     # partial block of a range.
     assert shard_bytes <= fetched <= 1.1 * shard_bytes, (fetched, shard_bytes)
+
+
+def test_a_save_reads_nothing_back_and_its_manifest_is_what_is_stored(s3, monkeypatch) -> None:
+    counted = _fetched(monkeypatch)
+    path = objstore.save("s3://ckpt/run", 3, {"model": _tree(1)}, config_toml="x = 1\n",
+                         keep_last=0)
+    assert sum(counted) == 0  # no object read back to be hashed
+    manifest = json.loads(s3.cat_file(f"{path[len('s3://'):]}/manifest.json"))
+    stored = {entry["name"].rsplit("/", 1)[1]: entry["size"]
+              for entry in s3.ls(path[len("s3://"):], detail=True)}
+    assert set(manifest["files"]) == set(stored) - {"manifest.json"}
+    assert any(name.endswith(".distcp") for name in manifest["files"])
+    for name, entry in manifest["files"].items():
+        data = s3.cat_file(f"{path[len('s3://'):]}/{name}")
+        assert entry["bytes"] == len(data) == stored[name], name
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest(), name
+    assert verify_checkpoint(path) == []
+
+
+def test_an_object_changed_before_the_manifest_fails_the_save(s3) -> None:
+    final, skip = objstore.begin("s3://ckpt/run", 5)
+    assert not skip
+    storage = objstore.writer(final)
+    collective.quiet_single_process_notice()
+    dcp.save({"model": _tree(2)}, storage_writer=storage, no_dist=True)
+    shard = next(d.name for d in storage.written() if d.name.endswith(".distcp"))
+    key = f"{final[len('s3://'):]}/{shard}"
+    s3.pipe_file(key, s3.cat_file(key)[:-100])  # the store now holds a shorter object
+    with pytest.raises(CheckpointError, match=f"{shard}: .* bytes stored, .* sent"):
+        objstore.seal("s3://ckpt/run", final, 5, config_toml="x = 1\n", keep_last=0,
+                      written=storage.written())
+    assert not s3.exists(f"{final[len('s3://'):]}/manifest.json")  # never a checkpoint
+    assert objstore.list_checkpoints("s3://ckpt/run") == []
