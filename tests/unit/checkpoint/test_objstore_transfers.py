@@ -115,3 +115,30 @@ def test_an_object_changed_before_the_manifest_fails_the_save(s3) -> None:
                       written=storage.written())
     assert not s3.exists(f"{final[len('s3://'):]}/manifest.json")  # never a checkpoint
     assert objstore.list_checkpoints("s3://ckpt/run") == []
+
+
+def _save_two_ranks(rank: int, world_size: int) -> dict:
+    """Each rank saves tensors only it holds, so each writes its own shard object."""
+    tree = {"model": {f"rank{rank}.{k}": v for k, v in _tree(10 + rank).items()}}
+    path = objstore.save("s3://ckpt/two", 7, tree, config_toml="x = 1\n", keep_last=0)
+    return {"path": path, "manifest": objstore.read_text(path, "manifest.json")}
+
+
+def test_two_ranks_each_hash_their_own_objects_into_one_manifest(s3) -> None:
+    from densetrain.testing import run_distributed
+
+    results = run_distributed(_save_two_ranks, 2, timeout=180)
+    path = results[0]["path"]
+    manifest = json.loads(results[0]["manifest"])
+    shards = sorted(name for name in manifest["files"] if name.endswith(".distcp"))
+    assert [name.split("_")[2] for name in shards] == ["0", "1"]  # one object from each rank
+    for name, entry in manifest["files"].items():
+        data = s3.cat_file(f"{path[len('s3://'):]}/{name}")
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest(), name
+    assert verify_checkpoint(path) == []
+    loaded = {"model": {f"rank{r}.{k}": torch.zeros_like(v)
+                        for r in (0, 1) for k, v in _tree(10 + r).items()}}
+    load_checkpoint(path, loaded)
+    for r in (0, 1):
+        for k, v in _tree(10 + r).items():
+            assert torch.equal(loaded["model"][f"rank{r}.{k}"], v)
