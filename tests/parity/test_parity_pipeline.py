@@ -38,6 +38,12 @@ PP_COMPOSED_4 = {
     "pp2_fsdp2": dict(pp=2, dp_shard=2, pp_microbatches=2),
 }
 PP_COMPOSED_8 = {"pp2_tp2_dp2": dict(pp=2, tp=2, dp_shard=2, pp_microbatches=2)}
+# FSDP stages reduce-scattering their gradients after every microbatch (parallel.pp_grad_reduce):
+# the gradient is summed in the sharded fp32 accumulator instead of the unsharded one
+PP_REDUCE_EVERY = {
+    "pp2_fsdp2_microbatch": dict(pp=2, dp_shard=2, pp_microbatches=4,
+                                 pp_grad_reduce="microbatch"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +95,10 @@ def test_pp4_multi_stage_schedules_match_control():
 @pytest.mark.slow
 def test_pp_composed_on_four_ranks_matches_control(control):
     _assert_all(_run(PP_COMPOSED_4, 4), control)
+
+
+def test_pp2_fsdp2_reducing_every_microbatch_matches_control(control):
+    _assert_all(_run(PP_REDUCE_EVERY, 4), control)
 
 
 @pytest.mark.slow

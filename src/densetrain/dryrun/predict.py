@@ -4,7 +4,8 @@ The planner is given the trainer's real per-parameter bytes: fp32 parameters and
 fp32 AdamW moments, and all-gathers in bf16 where FSDP gathers in the bf16 compute dtype
 (``parallel.fsdp_param_dtype = "compute"``: the ``fsdp2-bf16`` precision of
 `planner.layout.PRECISIONS`), else in fp32 (``fp32``); activations in 2 bytes under bf16 or
-float8 autocast, 4 in fp32.
+float8 autocast, 4 in fp32. The CUDA workspace (``PlanSettings.workspace_gb``), which no trace
+on the CPU can see, is left out of the prediction compared with the trace.
 """
 
 from __future__ import annotations
@@ -36,9 +37,13 @@ def _layout_and_settings(job: JobConfig, world_size: int):
     # job, whose step allocates a copy of the rank's parameters; fused elsewhere
     foreach = job.optim.name == "adamw" and (job.optim.fused is False or (
         job.optim.fused is None and job.training.device == "cpu"))
+    # the CUDA context, communication and matmul workspaces (``workspace_gb``) are not tensors
+    # a trace on the CPU sees: the prediction compared leaves them out
     settings = PlanSettings(precision="fsdp2-bf16" if gathers_bf16 else "fp32",
                             activation_bytes=4 if job.training.dtype == "fp32" else 2,
-                            optimizer_step_temporaries=1.0 if foreach else 0.0)
+                            optimizer_step_temporaries=1.0 if foreach else 0.0,
+                            pp_accumulates_unsharded_grads=par.pp_grad_reduce == "step",
+                            workspace_gb=0.0)
     return layout, settings
 
 
@@ -157,7 +162,8 @@ def pipelined_fsdp_calls(report, collective) -> float | None:
     Under torch's GPipe and 1F1B schedules a stage stays gathered from one
     microbatch's backward to the next forward, so each FSDP unit gathers ``c + 1`` times over
     ``c`` microbatches, except each stage's last block (never resharded after forward), which
-    gathers once; gradients are reduced once, by the last backward
+    gathers once; gradients are reduced once, by the last backward (with
+    ``parallel.pp_grad_reduce = "microbatch"``, by every backward)
     (`planner.comm.fsdp_calls_per_step`, which models the same from the config). The trace is
     checked against that rule call by call: of the calls of each size, all but ``size mod
     (c + 1)`` come in runs of ``c + 1`` (the units' gathers; a step of ``m`` microbatches makes
@@ -174,6 +180,9 @@ def pipelined_fsdp_calls(report, collective) -> float | None:
         return sum(size * ((calls - once[size]) * per_run + once[size])
                    for size, calls in collective.sizes.items())
     if collective.kind == "reduce_scatter" and collective.calls != units:
+        # ``parallel.pp_grad_reduce = "microbatch"``: each unit reduces after every backward
+        if units and collective.calls == units * report.traced_microbatches:
+            return collective.bytes * report.microbatches / report.traced_microbatches
         return None
     return float(collective.bytes)  # reductions and the norm's all-reduce: once a step
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from densetrain.dryrun.run import RankReport
 
+KINDS_SHOWN = 8
+"""How many kinds of live bytes at the peak a report lists (the largest)."""
 GIB = 2**30
 
 
@@ -53,6 +55,10 @@ def format_report(reports: list[RankReport],
                 f"{prediction.get('optimizer_step', 0.0) / GIB:.3f}   peak "
                 f"{prediction['total'] / GIB:.3f} GiB "
                 f"(traced/predicted peak {r.peak_bytes / prediction['total']:.2f})")
+        top = sorted(r.kinds_at_peak.items(), key=lambda kv: -kv[1])[:KINDS_SHOWN]
+        if top:
+            lines.append("  at the peak: " + "; ".join(f"{kind} {size / GIB:.2f}"
+                                                     for kind, size in top) + " GiB")
         if r.save_items:
             lines.append(f"  save plan {r.save_items:,} items, {r.save_bytes / GIB:.3f} GiB of "
                          "tensors from this rank (DCP's local plan)")

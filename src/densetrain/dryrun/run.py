@@ -65,6 +65,9 @@ class RankReport:
     save_bytes: int = 0
     not_traced: tuple[str, ...] = NOT_TRACED
     notes: list[str] = field(default_factory=list)
+    kinds_at_peak: dict[str, int] = field(default_factory=dict)
+    """Live bytes at the peak by the operator that made them, in forward or backward (model
+    states: the parameters, gradients and optimizer states alive before the step)."""
 
 
 def _storage_bytes(tensors) -> int:
@@ -226,7 +229,14 @@ def _step(job: JobConfig, model, pmesh, rank: int) -> RankReport:
         local_params=sum((p.to_local() if hasattr(p, "to_local") else p).numel()
                          for p in params),
         seconds=0.0, notes=notes, save_items=save_items, save_bytes=save_bytes,
+        kinds_at_peak=_with_untraced(tracer.kinds_at_peak, untraced_buffers),
     )
+
+
+def _with_untraced(kinds: dict[str, int], untraced_buffers: int) -> dict[str, int]:
+    if untraced_buffers:
+        kinds = {**kinds, "pipeline receive buffers of untraced microbatches": untraced_buffers}
+    return kinds
 
 
 def _static_pipeline(model, job: JobConfig, micro: int, autocast,
@@ -248,11 +258,9 @@ def _static_pipeline(model, job: JobConfig, micro: int, autocast,
     ``2 * pp`` per stage, so the schedule runs ``min(m, pp + 1)`` (``min(m, 2 * pp + 2)``, the
     next count torch's interleaved rounds accept) of the step's ``m`` microbatches, reaching its
     steady state (in-flight microbatches beside the gradients accumulated since the first
-    backward; the later ones repeat it); GPipe holds all
-    ``m`` and runs them all. torch allocates, at the first step, one activation and one
-    gradient receive buffer per stage for every microbatch of the step, kept for the schedule's
-    life: those of the microbatches not run are counted from the stage's shapes (modelled, and
-    the report says so).
+    backward; the later ones repeat it); GPipe holds all ``m`` and runs them all. The trainer's
+    stages make their receive buffers per transfer (`parallel.pipeline`): the microbatches not
+    run hold none.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -279,7 +287,6 @@ def _static_pipeline(model, job: JobConfig, micro: int, autocast,
         # count that the rounds (count // pp of them) do not divide: 2pp + 1 never fits
         while count < m and count % max(1, count // pp):
             count += 1
-    buffer_bytes = []  # per microbatch: what each stage receives (activations, gradients)
     seq = job.data.seq_len // pmesh.dims.cp
     dim = job.build_model_config().dim
 
@@ -294,7 +301,7 @@ def _static_pipeline(model, job: JobConfig, micro: int, autocast,
             inputs = torch.zeros((micro, seq), dtype=torch.long)
         else:
             inputs = torch.zeros((micro, seq, dim), dtype=dtype)
-        first, last = stage_id == 0, stage_id == pipeline.num_stages - 1
+        last = stage_id == pipeline.num_stages - 1
         # the last stage returns its loss (`Pipeline.step` hands it the targets)
         kwargs = {"targets_BS": torch.zeros((micro, seq), dtype=torch.long)} if last else {}
         with torch.no_grad(), autocast():
@@ -305,7 +312,6 @@ def _static_pipeline(model, job: JobConfig, micro: int, autocast,
         # as in training: the received activations and the stage's output carry gradients
         if inputs.is_floating_point():
             inputs.requires_grad_(True)
-        buffer_bytes.append((0 if first else inputs.nbytes) + (0 if last else outputs.nbytes))
         if last:
             return inputs, tuple(t.detach() for t in outputs)
         return inputs, outputs.detach().requires_grad_(True)
@@ -320,12 +326,11 @@ def _static_pipeline(model, job: JobConfig, micro: int, autocast,
 
     schedule._warmup_p2p = static_vote
     pipeline.schedule, pipeline.num_microbatches = schedule, count
-    untraced = (m - count) * sum(buffer_bytes)
     if count < m:
         notes.append(f"pipeline: {count} of the step's {m} microbatches traced (the schedule's "
-                     f"peak; the rest repeat its steady state); modelled: their receive buffers, "
-                     f"{untraced / 2**30:.3f} GiB, added to every phase")
-    return count, untraced
+                     "peak; the rest repeat its steady state, their receive buffers made per "
+                     "transfer)")
+    return count, 0
 
 
 def _save_plan(model, optimizer, *, is_coordinator: bool, notes: list[str]) -> tuple[int, int]:

@@ -36,6 +36,9 @@ _COLLECTIVES = {
     "send": "send", "recv_": "recv",
 }
 """c10d and functional-collective op names (``torch.ops.c10d``, ``_c10d_functional``) by kind."""
+_SNAPSHOT_STEP = 64 * 2**20
+"""How much the live bytes grow past the last snapshot of `StepTracer.kinds_at_peak` before
+the next is taken (each snapshot walks every live storage)."""
 
 
 @dataclass
@@ -98,6 +101,12 @@ class StepTracer(TorchDispatchMode):
         self.phase = "start"
         self.collectives: dict[tuple[str, str], Collective] = {}
         self._seen: dict[int, int] = {}
+        self._labels: dict[int, str] = {}
+        self.kinds_at_peak: dict[str, int] = {}
+        """Live bytes by kind (the operator that made each storage, in forward or backward)
+        at the peak, to within ``_SNAPSHOT_STEP`` bytes."""
+        self._snapshot_peak = 0
+        self._label = "model states"
         for storage in _storages(list(baseline)):
             self._add(storage)
 
@@ -113,6 +122,7 @@ class StepTracer(TorchDispatchMode):
             return
         size = storage.nbytes()
         self._seen[key] = size
+        self._labels[key] = self._label
         self.live += size
         try:
             weakref.finalize(storage, self._free, key)
@@ -134,7 +144,10 @@ class StepTracer(TorchDispatchMode):
                 tracer._seen[key] = storage.nbytes()
                 tracer._note_peak()
             else:
+                label, tracer._label = tracer._label, "FSDP gathered parameters"
                 tracer._add(storage)
+                tracer._label = label
+            tracer._labels[key] = "FSDP gathered parameters"
 
         torch.UntypedStorage.resize_ = resize_
         return super().__enter__()
@@ -145,10 +158,17 @@ class StepTracer(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.live -= self._seen.pop(key, 0)
+        self._labels.pop(key, None)
 
     def _note_peak(self) -> None:
         self.peak = max(self.peak, self.live)
         self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self.live)
+        if self.live >= self._snapshot_peak + _SNAPSHOT_STEP:
+            self._snapshot_peak = self.live
+            kinds: Counter = Counter()
+            for key, size in self._seen.items():
+                kinds[self._labels.get(key, "?")] += size
+            self.kinds_at_peak = dict(kinds)
 
     def _record_collective(self, func, args, kwargs, out=None) -> None:
         name = func._opname if hasattr(func, "_opname") else str(func)
@@ -184,6 +204,8 @@ class StepTracer(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self._record_collective(func, args, kwargs, out)
+        backward = torch._C._current_graph_task_id() != -1
+        self._label = f"{'backward' if backward else 'forward'}: {func._opname}"
         for storage in _storages(out):
             self._add(storage)
         return out

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from densetrain.models.config import ModelConfig
+from densetrain.models.fused import swiglu
 from densetrain.models.linear import Linear
 
 _TWO_SQRT_2_OVER_PI = 2.0 * math.sqrt(2.0 / math.pi)
@@ -52,7 +53,7 @@ class MLP(nn.Module):
         """Apply the feed-forward block to ``x_BSD``; returns [B, S, D]."""
         up_BSF = self.w_up(x_BSD)
         if self.w_gate is not None:
-            hidden_BSF = F.silu(self.w_gate(x_BSD)) * up_BSF
+            hidden_BSF = swiglu(self.w_gate(x_BSD), up_BSF)
         elif self.activation == "gelu":
             hidden_BSF = F.gelu(up_BSF)
         elif self.activation == "gelu_tanh":

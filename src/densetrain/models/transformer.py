@@ -23,8 +23,9 @@ Parameter names are the contract HF interop, tensor-parallel plans and checkpoin
 ``LossOutput`` of ``loss_head`` (the chunked output projection + cross-entropy with
 ``loss_chunk_size``, never the full logits); the loss is part of ``forward`` so that FSDP2 and
 DDP hooks see it. The model never looks at its layout: ``densetrain.parallel`` sets its public
-strategy points, ``Transformer.loss_head`` (a ``LossHead``), ``Transformer.compile_loss_kernel``
-and ``Attention.attention_fn`` (an ``AttentionFn``; default ``scaled_dot_product``).
+strategy points, ``Transformer.loss_head`` (a ``LossHead``), ``Transformer.compile_loss_kernel``,
+``TokenEmbedding.lookup`` (an ``EmbeddingLookup``) and ``Attention.attention_fn`` (an
+``AttentionFn``; default ``scaled_dot_product``).
 ``init_weights(seed, *, write=None)`` gives each value of a parameter from (seed, name, its index
 in the full tensor) (``models/init.py``), so every layout and pipeline stage starts
 bit-identical; a parallelised model passes a ``write`` that draws only the rank's own shard.
@@ -108,6 +109,28 @@ class TransformerBlock(nn.Module):
         return h_BSD + self._drop(self.mlp(self.mlp_norm(h_BSD)))
 
 
+EmbeddingLookup = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``lookup(tokens_BS, weight_PE)``: the embedding rows of ``tokens_BS`` ([B, S, E])."""
+
+
+def embedding_lookup(tokens_BS: torch.Tensor, weight_PE: torch.Tensor) -> torch.Tensor:
+    """The rows of ``weight_PE`` at ``tokens_BS`` (``F.embedding``)."""
+    return F.embedding(tokens_BS, weight_PE)
+
+
+class TokenEmbedding(nn.Embedding):
+    """``nn.Embedding`` (same parameter, same values) whose lookup is a public strategy point,
+    ``lookup`` (an `EmbeddingLookup`; tensor parallel sets a vocab-parallel one)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.lookup: EmbeddingLookup = embedding_lookup
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """The embeddings of ``tokens_BS``: [B, S, E]."""
+        return self.lookup(tokens_BS, self.weight)
+
+
 class TiedOutput(nn.Module):
     """Output head of a tied model: no weight of its own (the logits use the token embedding
     matrix), only the optional ``lm_head_bias``."""
@@ -125,7 +148,7 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.padded_vocab_size, config.embed_dim)
+        self.tok_embeddings = TokenEmbedding(config.padded_vocab_size, config.embed_dim)
         projected = config.embed_dim != config.dim
         self.project_in = Linear(config.embed_dim, config.dim, bias=False) if projected else None
         self.pos_embeddings = None
@@ -341,7 +364,7 @@ class Transformer(nn.Module):
             residual_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
         for module_name, module in self.named_modules():
             for param_name, param in module.named_parameters(recurse=False):
-                name = _canonical_name(f"{module_name}.{param_name}" if module_name else param_name)
+                name = canonical_name(f"{module_name}.{param_name}" if module_name else param_name)
                 if param_name == "bias":
                     param.zero_()
                 elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
@@ -404,7 +427,9 @@ def _copy_full(param: torch.Tensor, draw: Draw) -> None:
     param.copy_(draw(None))
 
 
-def _canonical_name(name: str) -> str:
+def canonical_name(name: str) -> str:
+    """``name`` (a parameter's, under the model) without the names that wrappers insert
+    (torch.compile, activation checkpointing, FSDP1): its place in the model alone."""
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
 
 

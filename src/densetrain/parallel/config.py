@@ -24,6 +24,22 @@ FLOAT8_RECIPES = ("tensorwise", "rowwise")
 """float8 scaling recipes of ``training.float8_recipe`` (`parallel.float8` says what each does)."""
 
 
+PP_GRAD_REDUCE = ("step", "microbatch")
+"""When a pipelined FSDP stage reduce-scatters its gradients (``parallel.pp_grad_reduce``)."""
+RECOMPUTE_PARTS = ("norms", "attention", "mlp_activation")
+"""Parts of a block that ``parallel.ac_recompute`` may name (`parallel.checkpointing`)."""
+DEFAULT_SELECTIVE_PARTS = ("norms", "mlp_activation")
+"""What "selective" recomputes when ``parallel.ac_recompute`` is empty."""
+
+
+def check_recompute_parts(parts) -> None:
+    """Raise ``UserError`` naming ``parallel.ac_recompute`` when a part is not known."""
+    for part in parts:
+        if part not in RECOMPUTE_PARTS:
+            raise UserError(f"parallel.ac_recompute: {part!r} is not a part of a block; "
+                            f"allowed: {list(RECOMPUTE_PARTS)}")
+
+
 FSDP_PARAM_DTYPES = ("compute", "fp32")
 """Allowed ``parallel.fsdp_param_dtype`` values."""
 
@@ -58,12 +74,26 @@ class ParallelConfig:
     micro-batch size that is pp); `parallel.pipeline.build_pipeline` called directly uses pp."""
     pp_virtual_stages: int = 1
     """Stages per pipeline rank; > 1 only with interleaved schedules (zbv needs exactly 2)."""
+    pp_grad_reduce: str = "step"
+    """With FSDP under a pipeline: "step" accumulates each stage's gradients unsharded (fp32)
+    over the step's microbatches and reduce-scatters them once, after the last; "microbatch"
+    reduce-scatters them after every microbatch's backward into the sharded gradient (Llama 3's
+    pipelined FSDP, Dubey et al. 2024 §3.3.2: the stage's whole fp32 gradients never held, m
+    times the reduce-scatter traffic). Not with the zero-bubble schedules, which split a
+    backward in two."""
     pp_layer_split: list[int] = field(default_factory=list)
     """Layers per stage (sums to num_layers); empty means as balanced as possible."""
     activation_checkpointing: str = "none"
-    """"none", "full" (recompute each checkpointed block) or "selective" (keep matmul outputs)."""
+    """"none" (keep what backward reads; under sequence parallelism the sequence shards, the
+    gathers made again in backward), "selective" (recompute the parts ``ac_recompute`` names)
+    or "full" (recompute each checkpointed block from its input). docs/parallelism.md lists
+    what each keeps, tensor by tensor."""
+    ac_recompute: list[str] = field(default_factory=list)
+    """With "selective": the parts of a block recomputed in backward, any of "norms",
+    "attention" (the attention core), "mlp_activation"; empty means ["norms",
+    "mlp_activation"]."""
     ac_every: int = 1
-    """With "full": checkpoint every k-th block (1 = all blocks)."""
+    """Apply the mode to every k-th block (1 = all blocks); the others run as "none"."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer states in CPU memory (FSDP2 offload)."""
     fsdp_param_dtype: str = "compute"
@@ -107,6 +137,18 @@ class ParallelConfig:
                 "parallel.activation_checkpointing must be one of "
                 f"{list(ACTIVATION_CHECKPOINTING)}, got {self.activation_checkpointing!r}"
             )
+        if self.pp_grad_reduce not in PP_GRAD_REDUCE:
+            raise UserError(f"parallel.pp_grad_reduce must be one of {list(PP_GRAD_REDUCE)}, "
+                            f"got {self.pp_grad_reduce!r}")
+        if self.pp_grad_reduce == "microbatch" and self.pp_schedule in ("zero_bubble", "zbv"):
+            raise UserError(
+                f'parallel.pp_grad_reduce="microbatch" runs with the gpipe, 1f1b and '
+                f'interleaved_1f1b schedules, not pp_schedule="{self.pp_schedule}" (it splits '
+                'each backward into input and weight gradients); use pp_grad_reduce="step"')
+        if not isinstance(self.ac_recompute, list):
+            raise UserError("parallel.ac_recompute must be a list of block parts, e.g. "
+                            f'["norms", "mlp_activation"], got {self.ac_recompute!r}')
+        check_recompute_parts(self.ac_recompute)
         if self.fsdp_param_dtype not in FSDP_PARAM_DTYPES:
             raise UserError(
                 f"parallel.fsdp_param_dtype must be one of {list(FSDP_PARAM_DTYPES)}, "

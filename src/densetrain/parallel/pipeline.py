@@ -314,13 +314,113 @@ def make_schedule(modules: list[nn.Module], stage_ids: list[int], num_stages: in
     stages = []
     for stage_id, module in zip(stage_ids, modules, strict=True):
         io = stage_io(stage_id, module) if stage_io is not None else (None, None)
-        stages.append(pipelining.PipelineStage(module, stage_id, num_stages, device, group=group,
-                                               input_args=io[0], output_args=io[1]))
+        stage = _lean_stage_class()(module, stage_id, num_stages, device, group=group,
+                                    input_args=io[0], output_args=io[1])
+        stage.reduce_every_microbatch = cfg.pp_grad_reduce == "microbatch"
+        stages.append(stage)
     if cfg.pp_schedule in _SINGLE_STAGE:
         cls = getattr(pipelining, _SINGLE_STAGE[cfg.pp_schedule])
         return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
     cls = getattr(pipelining, _MULTI_STAGE[cfg.pp_schedule])
     return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+
+
+_LEAN_STAGE = None
+
+
+def _lean_stage_class():
+    """`PipelineStage` whose receive buffers live per transfer (made once, on first use)."""
+    global _LEAN_STAGE
+    if _LEAN_STAGE is None:
+        _LEAN_STAGE = _make_lean_stage_class()
+    return _LEAN_STAGE
+
+
+def _make_lean_stage_class():
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining._backward import stage_backward
+    from torch.distributed.pipelining.stage import PipelineStage, _make_tensor_from_meta
+
+    class LeanPipelineStage(PipelineStage):
+        """torch's `PipelineStage` with receive buffers allocated per transfer.
+
+        torch makes, at the first step, one activation and one gradient receive buffer per
+        microbatch of the step and keeps them for the schedule's life: m whole-sequence
+        buffers of the residual stream each (8 GiB on the Llama 3 405B first stage, 30 GiB
+        on Korthikanti et al.'s 175B first stage). Here a buffer is made just before its
+        receive (from the metadata torch keeps beside it) and dropped once that microbatch's
+        backward has run (its forward, for a stage without backward): a stage holds the
+        buffers of its in-flight microbatches only, as Megatron-LM does. Dropping a reference
+        never frees memory that is still read: autograd and in-flight sends hold their own.
+        Written here because torch's stage has no option for it; it overrides the private
+        `_get_recv_ops` and the infrastructure setters (checked by
+        tests/unit/parallel/test_pipeline_buffers.py).
+
+        ``reduce_every_microbatch`` (``parallel.pp_grad_reduce = "microbatch"``): an FSDP stage
+        reduce-scatters its gradients after every microbatch's full backward, keeping its
+        parameters gathered (torch's stage defers the reduction to the step's end and holds
+        the stage's whole gradients unsharded until then)."""
+
+        reduce_every_microbatch = False
+
+        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict,
+                                       last_backward: bool = False):
+            if not (self.reduce_every_microbatch and backward_type == "full"
+                    and isinstance(self.submod, FSDPModule)):
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs,
+                                                          last_backward=last_backward)
+            # every backward is a "last" one for FSDP: it reduce-scatters into the sharded
+            # gradients (which accumulate) and waits for the reduction before the next
+            self.submod.set_is_last_backward(True)
+            self.submod.set_reshard_after_backward(False)
+            self.submod.set_requires_gradient_sync(True)
+            grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                   bwd_kwargs["input_values"])
+            return grads, None
+
+        def _released(self) -> set[int]:
+            if not hasattr(self, "_released_infos"):
+                self._released_infos: set[int] = set()
+            return self._released_infos
+
+        def _release(self, infos) -> None:
+            released = self._released()
+            for info in infos or ():
+                if not info.is_root_arg and info.buffer is not None:
+                    info.buffer = None
+                    released.add(id(info))
+
+        def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
+            super()._setup_forward_recv_info(num_microbatches, has_backward)
+            for infos in self.args_recv_info.values():
+                self._release(infos)
+
+        def _create_grad_recv_info(self, act_send_info: dict):
+            infos = super()._create_grad_recv_info(act_send_info)
+            self._release(infos)
+            return infos
+
+        def _get_recv_ops(self, recv_infos):
+            released = self._released()
+            for info in recv_infos:
+                if id(info) in released:
+                    released.discard(id(info))
+                    info.buffer = _make_tensor_from_meta(info.tensor_meta, self.device)
+            return super()._get_recv_ops(recv_infos)
+
+        def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+            output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            if not self.has_backward:
+                self._release(self.args_recv_info.get(fwd_chunk_id))
+            return output
+
+        def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+            result = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+            self._release(self.args_recv_info.get(bwd_chunk_id))
+            self._release(self.grad_recv_info.get(bwd_chunk_id))
+            return result
+
+    return LeanPipelineStage
 
 
 def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:

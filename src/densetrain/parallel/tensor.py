@@ -25,6 +25,8 @@ ones, so the model code reshapes with the local sizes.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -135,6 +137,54 @@ class _ReplicatedPositions(ParallelStyle):
         )
 
 
+class _VocabParallelEmbedding(ParallelStyle):
+    """The token embedding split over the padded vocabulary (Shard(0), uneven when tp does not
+    divide it), looked up as Megatron-LM does: each rank embeds the tokens in its rows (the
+    others give zeros) and the partial sums are reduced into the residual stream's layout (a
+    reduce-scatter over the sequence under sequence parallelism, an all-reduce without).
+
+    Written here rather than left to DTensor's embedding rules: those give the weight's
+    gradient as a whole-vocabulary partial sum on every tp rank, reduce-scattered afterwards
+    (7.8 GiB in fp32 per rank at Llama 3 405B's vocabulary, plus a bf16 copy); here backward
+    gathers the [B, S, E] output gradient and each rank computes its own rows' gradient only."""
+
+    def __init__(self, output_layout) -> None:
+        super().__init__()
+        self.output_layout = output_layout
+
+    @staticmethod
+    def _partition(name, module, mesh):
+        weight = module.weight
+        if not isinstance(weight, DTensor):
+            sharded = nn.Parameter(distribute_tensor(weight.data, mesh, [Shard(0)]),
+                                   requires_grad=weight.requires_grad)
+            module.register_parameter("weight", sharded)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        module = distribute_module(module, device_mesh, self._partition)
+        module.lookup = functools.partial(vocab_parallel_lookup, output_layout=self.output_layout)
+        return module
+
+
+def vocab_parallel_lookup(tokens_BS: torch.Tensor, weight: DTensor, *, output_layout
+                          ) -> torch.Tensor:
+    """The embeddings of ``tokens_BS`` (whole on every tp rank) from the vocab-parallel
+    ``weight`` (Shard(0) over the tp mesh), as a plain tensor in ``output_layout`` (this rank's
+    sequence slice under Shard(1), the whole [B, S, E] under Replicate)."""
+    mesh = weight.device_mesh
+    (placement,) = weight.placements
+    rows, first = placement.local_shard_size_and_offset(weight.shape[0], mesh.size(),
+                                                        mesh.get_local_rank())
+    if isinstance(tokens_BS, DTensor):
+        tokens_BS = tokens_BS.full_tensor()
+    outside_BS = (tokens_BS < first) | (tokens_BS >= first + rows)
+    local_BS = (tokens_BS - first).masked_fill(outside_BS, 0)
+    rows_BSE = F.embedding(local_BS, weight.to_local())
+    rows_BSE = rows_BSE.masked_fill(outside_BS.unsqueeze(-1), 0)
+    partial = DTensor.from_local(rows_BSE, mesh, [Partial()], run_check=False)
+    return partial.redistribute(mesh, [output_layout]).to_local()
+
+
 class _TiedVocabParallelHead(ParallelStyle):
     """The head of a tied model (`TiedOutput`): its weight is the token embedding, already
     vocab-parallel (Shard(0), the layout of a column-wise head), so only the optional
@@ -196,9 +246,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool,
         # With tied embeddings this weight is also the output head's (`Transformer.output_weight`);
         # the last pipeline stage of a tied model holds it for the head only (never called), in
         # the same vocab-parallel layout as the first stage's copy.
-        top_plan["tok_embeddings"] = RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=seq_layout
-        )
+        top_plan["tok_embeddings"] = _VocabParallelEmbedding(seq_layout)
         if getattr(model, "pos_embeddings", None) is not None:
             top_plan["pos_embeddings"] = _ReplicatedPositions(seq_layout)
     if model.output is not None:
@@ -295,3 +343,23 @@ def _add_stage_io_hooks(model: nn.Module, tp_mesh, sequence_parallel: bool) -> N
         first_block = next(iter(model.layers.values()))
         first_block.register_forward_pre_hook(slice_input, with_kwargs=True)
     model.register_forward_hook(gather_output, with_kwargs=True)
+
+
+def _register_fused_sharding() -> None:
+    """How DTensor shards `densetrain.models.fused.rms_norm` (sequence-parallel norms run it on
+    a sequence shard): the input split over any dimension but the normalised last one, the
+    output and ``rstd`` split alike, the weight replicated; or everything replicated. Its
+    backward is plain ATen ops, which DTensor shards by its own rules (the weight's gradient is
+    a partial sum over the sequence shards, as for torch's own norms)."""
+    from torch.distributed.tensor.experimental import register_sharding
+
+    @register_sharding(torch.ops.densetrain.rms_norm.default)
+    def _rms_norm_sharding(x, weight, eps):
+        weight_spec = None if weight is None else Replicate()
+        options = [([Replicate(), Replicate()], [Replicate(), weight_spec, None])]
+        for dim in range(x.ndim - 1):
+            options.append(([Shard(dim), Shard(dim)], [Shard(dim), weight_spec, None]))
+        return options
+
+
+_register_fused_sharding()

@@ -103,15 +103,18 @@ def _tp_recompute_calls(cols: LayoutColumns, settings: PlanSettings) -> np.ndarr
     all-reduces. torch's checkpoint as the trainer runs it stops once the tensors backward needs
     are rebuilt (``checkpoint_early_stop``), so the layer's last reduction (after the MLP) is not
     repeated: one all-reduce, or under sequence parallelism both all-gathers and the first
-    reduce-scatter (1.5); the trainer's selective policy recomputes everything but the matmul
-    and attention outputs, collectives included (``selective_keeps_matmul_outputs``), the same
-    ones. Traced by the dry run of Llama 3 8B on TP 8 x FSDP 8 (docs/planner.md)."""
+    reduce-scatter (1.5). The trainer's block policy (``selective``, and ``none`` under sequence
+    parallelism; `parallel.checkpointing`) keeps the reduced attention output and gathers the
+    two normed sequence shards again in backward, as Megatron-LM's sequence parallelism does:
+    two all-gathers (1.0) under sequence parallelism, nothing without it."""
     early = np.where(cols.sequence_parallel, 1.5, 1.0)
     full = early if settings.checkpoint_early_stop else np.full(len(cols), 2.0)
-    selective = early if settings.selective_keeps_matmul_outputs else np.zeros(len(cols))
+    block_policy = np.where(cols.sequence_parallel & (cols.tp > 1), 1.0, 0.0)
+    selective = block_policy if settings.selective_keeps_matmul_outputs else np.zeros(len(cols))
+    none = block_policy if settings.selective_keeps_matmul_outputs else np.zeros(len(cols))
     policy = cols.activation_checkpointing
     return np.where(policy == _FULL, full,
-                    np.where(policy == AC_POLICIES.index("selective"), selective, 0.0))
+                    np.where(policy == AC_POLICIES.index("selective"), selective, none))
 
 
 def fsdp_calls_per_step(cols: LayoutColumns, mem: dict[str, np.ndarray],

@@ -86,16 +86,21 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy, flash_atte
 
 
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, policy, flash_attention: bool,
-                             micro_batch, early_stop: bool = False) -> np.ndarray:
+                             micro_batch, early_stop: bool = False,
+                             output_projection_recomputed=False) -> np.ndarray:
     """FLOPs per token a step executes: ``sizing.flops_per_token_executed`` (model FLOPs plus
     W_R's projection once per microbatch) plus the recomputed forward (elementwise over
-    ``policy`` and ``micro_batch`` arrays)."""
+    ``policy`` and ``micro_batch`` arrays). ``output_projection_recomputed`` (per row): the
+    trainer's block policy recomputes each layer's attention output projection
+    (`planner.ops.output_projection_recomputed`), 2·d·q per layer and token."""
     sizing = sizing_module()
     micro_batch = np.asarray(micro_batch, dtype=np.float64)
     projection = 2.0 * sizing.relative_projection_flops_per_token(cfg, seq_len, micro_batch)
     executed = sizing.flops_per_token_palm(cfg, seq_len) + projection
-    return executed + recompute_flops_per_token(cfg, seq_len, policy, flash_attention,
-                                                micro_batch=micro_batch, early_stop=early_stop)
+    wo = np.where(output_projection_recomputed, 2.0 * cfg.num_layers * cfg.dim * cfg.q_dim, 0.0)
+    return executed + wo + recompute_flops_per_token(cfg, seq_len, policy, flash_attention,
+                                                     micro_batch=micro_batch,
+                                                     early_stop=early_stop)
 
 
 def stage_imbalance(cfg: ModelConfig, seq_len: int, pp):

@@ -150,28 +150,25 @@ class PlanSettings:
     """Attention that never stores the s x s scores (FlashAttention / SDPA)."""
     attention_dropout: bool = False
     """Dropout on attention probabilities and residual branches (masks cost 1 byte/element)."""
-    sp_keeps_gathered_inputs: bool = True
-    """Sequence parallelism as the trainer runs it (DTensor): the qkv and first MLP linears keep
-    their all-gathered whole-sequence input for backward, 2sbh(1 - 1/t) bytes per layer more
-    than Megatron-LM, which gathers it again in backward (False: Korthikanti et al. 2022's
-    count). Found by the dry run of Llama 3 8B on TP 8 x FSDP 8 (docs/planner.md)."""
     selective_keeps_matmul_outputs: bool = True
-    """The ``selective`` policy as the trainer runs it: every matmul and attention output kept,
-    everything else recomputed (`planner.memory.selective_matmul_bytes`). False: Korthikanti et
-    al. 2022's selective recompute (only the attention core recomputed), as Megatron-LM runs
-    it. Found by the dry run of Llama 3 8B (docs/planner.md)."""
+    """The ``selective`` policy as the trainer runs it (`parallel.checkpointing`): the matmul
+    and attention outputs kept but the row-parallel ones, the reduced attention output kept,
+    norms and the MLP activation recomputed (`planner.memory.selective_matmul_bytes`). False:
+    Korthikanti et al. 2022's selective recompute (only the attention core recomputed), as
+    Megatron-LM runs it. Traced per layer (tests/unit/dryrun/test_layer_memory.py)."""
     pp_scatter_gather: bool = False
     """Megatron-LM's scatter/gather optimisation (Narayanan et al. 2021 §4.1): each tp rank
     sends 1/tp of the stage boundary's activation. False: torch's pipeline stages (the
     trainer's) send the whole activation from every tp rank, tp times the bytes; traced by the
     dry run of Llama 3 70B (docs/planner.md)."""
-    pp_recv_buffer_per_microbatch: bool = True
-    """Pipeline stages as the trainer runs them (``torch.distributed.pipelining``): at its first
-    step each stage allocates one activation and one gradient receive buffer per microbatch of
-    the step, kept for the schedule's life. The fullest rank (pp rank 0: its first stage gets no
-    activations, so ``2v - 1`` buffers per microbatch) holds ``m (2v - 1) b s h`` elements of the
-    residual stream's dtype (False: Megatron-LM, which receives into per-step tensors). Found by
-    the dry run of Llama 3 405B (docs/planner.md)."""
+    pp_recv_buffer_per_microbatch: bool = False
+    """torch's own pipeline stage: at its first step each stage allocates one activation and one
+    gradient receive buffer per microbatch of the step, kept for the schedule's life; the
+    fullest rank (pp rank 0: its first stage gets no activations, so ``2v - 1`` buffers per
+    microbatch) holds ``m (2v - 1) b s h`` elements of the residual stream's dtype. False: a
+    buffer per transfer (the trainer's stages, `parallel.pipeline`, and Megatron-LM): the
+    in-flight chunks' received inputs and the gradient being received. Found by the dry run of
+    Llama 3 405B (docs/planner.md)."""
     pp_holds_stage_outputs: bool = True
     """Pipeline stages as the trainer runs them: the schedule keeps each in-flight microbatch's
     stage output (whole-sequence under sequence parallel, which gathers it to send it) until
@@ -195,10 +192,12 @@ class PlanSettings:
     last block after each forward and the backward gathers it again (so a unit gathers m + 1
     times a step, `comm.fsdp_calls_per_step`); at a stage's activation peak, the end of a
     forward, only the last block of each of the rank's stages and the one prefetched for the
-    backward are gathered, not the whole stage. Found by the dry run of Llama 3 70B on TP 8 x PP
-    4 (the last stage: 1.13x the traced peak while the whole stage was counted gathered).
-    False: the stage stays gathered through the step (Llama 3's pipelined FSDP, which does not
-    reshard after forward)."""
+    backward are gathered, not the whole stage; at the end of a backward the whole stage is
+    gathered, less one chunk's activations: the peak is the larger of the two moments. Found by
+    the dry run of Llama 3 70B on TP 8 x PP 4 (the last stage: 1.13x the traced peak while the
+    whole stage was counted gathered) and of the Llama 3 405B last stage (its peak in backward
+    once a layer keeps 340 MiB). False: the stage stays gathered through the step (Llama 3's
+    pipelined FSDP, which does not reshard after forward)."""
     chunked_loss: bool = True
     """Output projection + cross-entropy in chunks, so full logits are never held."""
     activation_bytes: int = 2

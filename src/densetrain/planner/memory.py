@@ -47,16 +47,15 @@ def zero_model_state_bytes(num_params, shard, stage, param_bytes, grad_bytes, op
 
 def layer_activation_bytes(cfg: ModelConfig, *, seq_len, micro_batch, tp, sequence_parallel,
                            policy, flash_attention: bool, dropout: bool, activation_bytes=2,
-                           sp_keeps_gathered_inputs: bool = False,
                            selective_keeps_matmul_outputs: bool = False, stream_bytes=None):
     """Activation bytes one transformer layer keeps for backward, per microbatch (elementwise).
 
     ``seq_len`` is the local sequence (s / cp); ``policy`` an index into ``AC_POLICIES``. The
     ``full`` policy's stored input only; the recompute working set is added by the caller.
-    ``sp_keeps_gathered_inputs``: under sequence parallelism the column-parallel linears keep
-    the all-gathered (whole-sequence) normed input for their weight gradient, as DTensor's
-    sequence parallelism does, instead of gathering it again in backward as Megatron-LM does
-    (Korthikanti et al. 2022 §4.2.2, whose formula is the default).
+    Under sequence parallelism the column-parallel linears keep the sequence shard of their
+    input and gather it again in backward (Megatron-LM, Korthikanti et al. 2022 §4.2.2; the
+    trainer's block policy, `parallel.checkpointing`). SwiGLU keeps its gate and up projections
+    and their product, silu(gate) recomputed in backward (`models.fused.swiglu`).
     ``selective_keeps_matmul_outputs``: the ``selective`` policy as the trainer runs it
     (`selective_matmul_bytes`) instead of Korthikanti et al.'s (recompute the attention core).
     ``stream_bytes``: bytes per element of the residual stream (default ``activation_bytes``).
@@ -76,8 +75,8 @@ def layer_activation_bytes(cfg: ModelConfig, *, seq_len, micro_batch, tp, sequen
     sb = s * b
     kv_ways = kv_split(cfg.num_kv_heads, t)
     sharded = sb * e * (2 * cfg.q_dim) / t + sb * e * 2 * cfg.kv_dim / kv_ways
-    # gelu/relu: activation input and output; swiglu: gate, silu(gate), up, and their product.
-    mlp_tensors = 4 if cfg.activation == "swiglu" else 2
+    # gelu/relu: activation input and output; swiglu: gate, up, and their product.
+    mlp_tensors = 3 if cfg.activation == "swiglu" else 2
     sharded = sharded + sb * e * mlp_tensors * cfg.ffn_dim / t
     heads = cfg.num_heads
     if flash_attention:
@@ -89,34 +88,32 @@ def layer_activation_bytes(cfg: ModelConfig, *, seq_len, micro_batch, tp, sequen
     if cfg.position_embedding == "relative_xl":
         core = core + _relative_position_bytes(cfg, s, b, t, policy, flash_attention, e)
     stored = np.where(sp, replicated / t, replicated) + sharded + core
-    if sp_keeps_gathered_inputs:
-        gathered = sbh * e * num_linear_inputs * (1.0 - 1.0 / t)
-        stored = stored + np.where(sp & (t > 1), gathered, 0.0)
     stream = e if stream_bytes is None else stream_bytes
     layer_input = np.where(sp, stream * sbh / t, stream * sbh)
     if selective_keeps_matmul_outputs:
-        kept = selective_matmul_bytes(cfg, s=s, b=b, t=t, e=e, kv_ways=kv_ways,
+        kept = selective_matmul_bytes(cfg, s=s, b=b, t=t, e=e, kv_ways=kv_ways, sp=sp,
                                       flash_attention=flash_attention)
         stored = np.where(policy == AC_SELECTIVE, layer_input + kept, stored)
     return np.where(policy == AC_FULL, layer_input, stored)
 
 
-def selective_matmul_bytes(cfg: ModelConfig, *, s, b, t, e, kv_ways, flash_attention=True):
-    """What the trainer's ``selective`` policy (`parallel.checkpointing`: torch's selective
-    checkpoint keeping every matmul and attention output, recomputing the rest) stores per layer
-    beyond the layer's input: q, k and v; the attention output and its fp32 log-sum-exp per
-    query and head; the MLP's up (and gate) projections; and the outputs of the two row-parallel
-    matmuls (wo, w_down), which under tensor parallel are each rank's whole-sequence partial
-    sums before their reduction, [s, h] on every rank. Without a fused attention kernel the
-    attention scores (a batched matmul's output, s x s per head) are kept in place of the
-    log-sum-exp. Measured against the dry run of Llama 3 8B (docs/planner.md)."""
+def selective_matmul_bytes(cfg: ModelConfig, *, s, b, t, e, kv_ways, sp=True,
+                           flash_attention=True):
+    """What the trainer's ``selective`` policy (`parallel.checkpointing`, with its default
+    parts: the norms and the MLP activation recomputed) keeps per layer beyond the layer's
+    input: q, k and v; the attention output and its fp32 log-sum-exp per query and head; the
+    MLP's up (and gate) projections; and the reduced attention output (the MLP norm's input: a
+    sequence shard under sequence parallelism). The row-parallel matmuls' own outputs are never
+    kept. Without a fused attention kernel the attention scores (a batched matmul's output,
+    s x s per head) are kept in place of the log-sum-exp. Traced per layer at real size
+    (tests/unit/dryrun/test_layer_memory.py)."""
     sb = s * b
     attention = sb * e * (2 * cfg.q_dim / t + 2 * cfg.kv_dim / kv_ways)
     core = cfg.num_heads * sb * (4.0 if flash_attention else s * e) / t
     attention = attention + core
     up = (2 if cfg.activation == "swiglu" else 1) * sb * e * cfg.ffn_dim / t
-    row_parallel = 2 * sb * e * cfg.dim
-    return attention + up + row_parallel
+    reduced = np.where(sp, sb * e * cfg.dim / t, sb * e * cfg.dim)
+    return attention + up + reduced
 
 
 def _relative_position_bytes(cfg: ModelConfig, s, b, t, policy, flash_attention: bool, e):
@@ -173,10 +170,12 @@ def _pipeline_rank_memory(cols: LayoutColumns, settings: PlanSettings, per_layer
                           microbatches, hidden, *, pp_rank):
     """Activations and pipeline receive buffers (bytes) of pipeline rank ``pp_rank``.
 
-    torch's pipeline stage (the trainer's) allocates at its first step one activation receive
-    buffer (every stage but the first) and one gradient receive buffer (every stage but the
-    last) per microbatch of the step, and keeps each in-flight chunk's output until its
-    backward (``PlanSettings.pp_recv_buffer_per_microbatch``, ``pp_holds_stage_outputs``)."""
+    The trainer's stages make a receive buffer per transfer (`parallel.pipeline`): each
+    in-flight chunk of a stage after the first holds the activation it received (its input,
+    whole-sequence: the first block keeps a view of it) until its backward, and a stage before
+    the last holds the gradient it is receiving (one). torch's own stage keeps one activation
+    and one gradient buffer per microbatch of the step (``pp_recv_buffer_per_microbatch``).
+    Each in-flight chunk's output is kept until its backward (``pp_holds_stage_outputs``)."""
     v, pp = cols.pp_virtual_stages, cols.pp
     layers_held = in_flight_layers(stage_layers, pp, cols.pp_schedule, v, microbatches,
                                    pp_rank=pp_rank)
@@ -184,11 +183,19 @@ def _pipeline_rank_memory(cols: LayoutColumns, settings: PlanSettings, per_layer
     piped = pp > 1
     rank = np.broadcast_to(np.asarray(pp_rank), pp.shape)
     first, last = rank == 0, rank == pp - 1
-    if settings.pp_holds_stage_outputs:  # chunks in flight: layers held over a chunk's layers
-        chunks = layers_held / (stage_layers / v)
+    chunks = layers_held / (stage_layers / v)  # chunks in flight
+    if settings.pp_holds_stage_outputs:
         holds = piped & ~(last & (v == 1))  # a last stage ends in the loss, not an output
         activations = activations + np.where(holds, chunks * hidden, 0.0)
-    recv = np.zeros(len(cols))
+    # per transfer: the received inputs of the in-flight chunks (none on the first stage of a
+    # rank without interleaving) and the gradient being received. Megatron-LM's scatter/gather
+    # (``pp_scatter_gather``) receives 1/tp and gathers it into the first layer's input, which
+    # the per-layer count already holds.
+    if settings.pp_scatter_gather:
+        inputs, grad = np.zeros(len(cols)), hidden / cols.tp
+    else:
+        inputs, grad = np.where(first & (v == 1), 0.0, chunks * hidden), hidden
+    recv = np.where(piped, inputs + np.where(last & (v == 1), 0.0, grad), 0.0)
     if settings.pp_recv_buffer_per_microbatch:
         # ZB-V: rank 0 holds the first and the last stage (2 buffers), the others 4
         count = np.where(cols.pp_schedule == ZBV, np.where(first, 2, 4),
@@ -241,7 +248,6 @@ def memory_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layo
                   sequence_parallel=cols.sequence_parallel,
                   flash_attention=settings.flash_attention, dropout=settings.attention_dropout,
                   activation_bytes=settings.activation_bytes,
-                  sp_keeps_gathered_inputs=settings.sp_keeps_gathered_inputs,
                   selective_keeps_matmul_outputs=settings.selective_keeps_matmul_outputs)
     per_layer = layer_activation_bytes(cfg, policy=cols.activation_checkpointing, **kwargs)
     # Full recompute rebuilds one layer's activations at a time during backward.
@@ -269,17 +275,28 @@ def memory_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layo
     buffers = buffers + recv
     if settings.pp_keeps_stage_unsharded:
         # the stage's gradients accumulate unsharded (in the gradients' dtype) from the first
-        # microbatch's backward to the last (``pp_accumulates_unsharded_grads``); its parameters
-        # stay gathered between a backward and the next forward, which reshards all but each
-        # stage's last block (``pp_reshards_after_forward``): at the end of a forward, the
-        # activation peak, those and the block prefetched for the backward are gathered
-        # (the per-layer FSDP buffers above are part of these here)
+        # microbatch's backward to the last (``pp_accumulates_unsharded_grads``; else each
+        # layer's are reduce-scattered in its backward); its parameters stay gathered between a
+        # backward and the next forward, which reshards all but each stage's last block
+        # (``pp_reshards_after_forward``): at the end of a forward, the activation peak, those
+        # and the block prefetched for the backward are gathered; at the end of a backward
+        # every unit is, while that microbatch's chunk has freed its activations: the rank's
+        # peak is the larger moment (the per-layer FSDP buffers above are part of these here)
         whole_stage = (cols.pp > 1) & fsdp
-        gathered = stage_params
+        stage_gathered = stage_params * gather_bytes
+        # a layer's gradients in its backward: in the gathered dtype, then (reduced every
+        # microbatch) in the gradients' dtype for the reduce-scatter
+        accumulating = settings.pp_accumulates_unsharded_grads
+        in_backward = layer_params * (gather_bytes + (0.0 if accumulating else g_bytes))
+        grads_held = stage_params * g_bytes if accumulating else 0.0
         if settings.pp_reshards_after_forward:
-            gathered = np.minimum((cols.pp_virtual_stages + 1.0) * layer_params, stage_params)
-        grads_held = stage_params * g_bytes if settings.pp_accumulates_unsharded_grads else 0.0
-        buffers = np.where(whole_stage, gathered * gather_bytes + grads_held
+            after_forward = np.minimum((cols.pp_virtual_stages + 1.0) * layer_params,
+                                       stage_params) * gather_bytes
+            one_chunk = per_layer * stage_layers / cols.pp_virtual_stages
+            gathered_bytes = np.maximum(after_forward, stage_gathered - one_chunk + in_backward)
+        else:
+            gathered_bytes = stage_gathered + in_backward
+        buffers = np.where(whole_stage, gathered_bytes + grads_held
                            + settings.workspace_gb * 1e9 + recv, buffers)
     # The optimizer step: the model states, the pipeline's receive buffers (kept for the
     # schedule's life) and the step's temporaries (torch's foreach AdamW makes fp32 lists the

@@ -120,6 +120,15 @@ def _elementwise_forward(cfg: ModelConfig, tokens, tp, sp, e: int, cluster: Clus
     return tokens * (wide + split) / cluster.hbm_bytes_per_s
 
 
+def output_projection_recomputed(cols: LayoutColumns, settings: PlanSettings) -> np.ndarray:
+    """Rows whose backward recomputes each layer's attention output projection: the trainer's
+    block policy (``selective``, and ``none`` under sequence parallelism) with tensor
+    parallelism, where that matmul's output is a partial sum it never keeps."""
+    block_policy = (cols.activation_checkpointing == _SELECTIVE) | (
+        (cols.activation_checkpointing != _FULL) & cols.sequence_parallel)
+    return block_policy & (cols.tp > 1) & settings.selective_keeps_matmul_outputs
+
+
 def compute_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, settings: PlanSettings,
                     cluster: ClusterSpec, mem: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Seconds per step on the busiest device: GEMMs, attention, element-wise, recompute."""
@@ -141,11 +150,15 @@ def compute_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, setting
     loss = tokens * 12.0 * cfg.padded_vocab_size / tp / cluster.hbm_bytes_per_s
     policy = cols.activation_checkpointing
     skipped = down_f if settings.checkpoint_early_stop and early_stop_skips_down(cfg) else 0.0
+    # the trainer's block policy recomputes the attention output projection under tensor
+    # parallelism (its output, a partial sum, is never kept: `parallel.checkpointing`)
+    wo_f = np.where(output_projection_recomputed(cols, settings),
+                    gemm_seconds(tokens, cfg.dim, cfg.q_dim / tp, cluster, efficiency=eff), 0.0)
     recompute = np.select(
         [policy == _FULL, policy == _SELECTIVE],
         [gemm_f - skipped + attn_f + elem_f + rel_f,
-         elem_f + rel_elem_f + (0.0 if settings.flash_attention else attn_f)],
-        default=0.0)
+         elem_f + rel_elem_f + (0.0 if settings.flash_attention else attn_f) + wo_f],
+        default=wo_f)
     # Balanced split: the first stage has ceil(L / pp) layers, the last floor(L / pp) + the head.
     first = np.ceil(cfg.num_layers / cols.pp)
     last = np.where(cols.pp == 1, cfg.num_layers, np.floor(cfg.num_layers / cols.pp))

@@ -30,7 +30,7 @@ from densetrain.models.config import ModelConfig
 from densetrain.planner.compute import hardware_flops_per_token, model_flops_per_token
 from densetrain.planner.hardware import ClusterSpec
 from densetrain.planner.layout import AC_POLICIES, PP_SCHEDULES, LayoutColumns, PlanSettings
-from densetrain.planner.ops import compute_columns
+from densetrain.planner.ops import compute_columns, output_projection_recomputed
 
 
 def time_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: LayoutColumns,
@@ -42,7 +42,9 @@ def time_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layout
     model_tok = model_flops_per_token(cfg, seq_len)
     hardware_tok = hardware_flops_per_token(cfg, seq_len, cols.activation_checkpointing,
                                             settings.flash_attention, cols.micro_batch_size,
-                                            early_stop=settings.checkpoint_early_stop)
+                                            early_stop=settings.checkpoint_early_stop,
+                                            output_projection_recomputed=(
+                                                output_projection_recomputed(cols, settings)))
     parts = compute_columns(cfg, seq_len, cols, settings, cluster, mem)
     compute = parts["gemm_s"] + parts["attention_s"] + parts["elementwise_s"] + parts["recompute_s"]
     m = mem["microbatches"]

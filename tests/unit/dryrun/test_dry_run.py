@@ -172,16 +172,14 @@ def _shapes(preset: str, overrides: dict | None = None) -> dict[str, tuple[int, 
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
-def _assert_receive_buffers(report: RankReport, count: int, micro: int, seq: int,
-                            dim: int) -> None:
-    """torch's pipeline stage keeps one receive buffer per microbatch of the step (hidden
-    states, 1 x seq x dim, in bf16: FSDP gathers the parameters in the bf16 compute dtype, so
-    the residual stream is bf16): ``count`` of them stay live after forward/backward (the clip
-    and optimizer phases), on top of the model states."""
-    buffers = count * micro * seq * dim * 2
+def _assert_receive_buffers_freed(report: RankReport, micro: int, seq: int, dim: int) -> None:
+    """The trainer's pipeline stages make a receive buffer per transfer (hidden states, 1 x seq x
+    dim, bf16) and drop it after the microbatch's backward: after forward/backward (the clip and
+    optimizer phases) no buffer is left beside the model states (torch's own stage keeps one
+    per microbatch of the step for the schedule's life: 8 GiB on the 405B stages)."""
+    buffer = micro * seq * dim * 2
     states = report.param_bytes + report.grad_bytes + report.optimizer_bytes
-    assert report.phase_peaks["clip"] >= states + buffers
-    assert report.phase_peaks["clip"] < states + buffers + 2 * micro * seq * dim * 2 + 2**30
+    assert states <= report.phase_peaks["clip"] < states + buffer
 
 
 def test_llama3_70b_pipeline_rank_of_512_holds_its_stage_share():
@@ -202,7 +200,7 @@ def test_llama3_70b_pipeline_rank_of_512_holds_its_stage_share():
     share = sum(_share(shapes[n], n, (8, 0), (32, 0)) for n in held)
     _assert_model_states(report, share)
     assert report.microbatches == 64 and report.traced_microbatches == 3
-    _assert_receive_buffers(report, 64, 1, 8192, 8192)
+    _assert_receive_buffers_freed(report, 1, 8192, 8192)
     assert {c.kind for c in report.collectives if c.group == "pp"} >= {"send", "recv"}
     _assert_planner_within(report, config, [], 512, 0.10, pp_rank=0)
     # FSDP under the pipeline: each of the stage's 40 units (39 blocks and the root) gathers
@@ -273,7 +271,7 @@ def test_llama3_405b_table4_layout_last_rank_of_8192():
     assert _share(shapes["output.weight"], "output.weight", (8, 7), (64, 63)) == 219 * 16384
     _assert_model_states(report, share, padding=(251 - 219) * 16384)
     assert report.microbatches == 32 and report.traced_microbatches == 17
-    _assert_receive_buffers(report, 32, 1, 8192, 16384)
+    _assert_receive_buffers_freed(report, 1, 8192, 16384)
     # DCP's local save plan: the rank's unpadded parameters and two moments (fp32), plus one
     # scalar step per parameter
     assert report.save_items > 0
@@ -302,7 +300,7 @@ def test_llama3_405b_first_stage_meets_the_planner():
     held = [n for n in shapes if n.startswith(tuple(f"layers.{i}." for i in range(8)))
             or n == "tok_embeddings.weight"]
     _assert_model_states(report, sum(_share(shapes[n], n, (8, 0), (64, 0)) for n in held))
-    _assert_receive_buffers(report, 32, 1, 8192, 16384)
+    _assert_receive_buffers_freed(report, 1, 8192, 16384)
     _assert_planner_within(report, config, [], 8192, 0.10, pp_rank=0)
     _assert_comm_within(report, config, [], 8192, {"tp", "pp", "dp"})
 

@@ -28,6 +28,7 @@ def _tiny(**overrides) -> ModelConfig:
 
 
 def _build_full_state(rank: int, world: int, layout: dict, cfg_dict: dict) -> dict:
+    from densetrain.models.transformer import canonical_name
     from densetrain.parallel.build import build_model
     from densetrain.parallel.config import ParallelConfig
     from densetrain.parallel.mesh import ParallelDims
@@ -39,7 +40,9 @@ def _build_full_state(rank: int, world: int, layout: dict, cfg_dict: dict) -> di
     out = {}
     for name, param in model.module.named_parameters():
         full = param.full_tensor() if hasattr(param, "full_tensor") else param
-        out[name] = full.detach().clone()
+        # sequence-parallel blocks are checkpoint-wrapped (they keep sequence shards): a
+        # wrapper's name is no part of a parameter's
+        out[canonical_name(name)] = full.detach().clone()
     return out
 
 
@@ -62,6 +65,7 @@ def _build_one_rank(preset: str, world: int, rank: int, layout: dict) -> dict:
     """Build ``rank`` of ``world`` for ``preset`` with real tensors; its parameters and peak."""
     from densetrain.dryrun.world import fake_world
     from densetrain.models.presets import get_preset
+    from densetrain.models.transformer import canonical_name
     from densetrain.parallel.build import build_model
     from densetrain.parallel.config import ParallelConfig
     from densetrain.parallel.mesh import ParallelDims
@@ -72,7 +76,7 @@ def _build_one_rank(preset: str, world: int, rank: int, layout: dict) -> dict:
         pmesh = ParallelDims.from_config(cfg, world).build_mesh("cpu")
         model = build_model(get_preset(preset), cfg, pmesh, device=torch.device("cpu"), seed=0,
                             local_batch_size=16, micro_batch_size=1)
-        local = {name: (p.to_local() if hasattr(p, "to_local") else p)
+        local = {canonical_name(name): (p.to_local() if hasattr(p, "to_local") else p)
                  for name, p in model.module.named_parameters()}
         finite = all(bool(t.isfinite().all()) for t in local.values())
         return {"numel": {n: t.numel() for n, t in local.items()}, "finite": finite,

@@ -11,6 +11,7 @@ import torch
 
 from densetrain.models import Transformer
 from densetrain.models.config import ModelConfig
+from densetrain.models.transformer import canonical_name
 from densetrain.testing import run_distributed
 
 
@@ -51,7 +52,8 @@ def _check_tied(rank: int, world: int, layout: dict, cfg_dict: dict) -> dict:
         "positions_layout": isinstance(positions, DTensor)
         and tuple(positions.placements) == (Replicate(),),
         "has_grad": embedding.grad is not None and positions.grad is not None,
-        "weights": {n: p.full_tensor().detach().clone() if isinstance(p, DTensor) else p.detach()
+        "weights": {canonical_name(n): p.full_tensor().detach().clone()
+                    if isinstance(p, DTensor) else p.detach()
                     for n, p in model.named_parameters()},
     }
 

@@ -3,6 +3,8 @@ closed forms."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from densetrain.models.presets import get_preset
@@ -57,10 +59,11 @@ def test_stage_imbalance_counts_the_output_layer_on_the_last_stage():
 
 
 def _eval(layout: Layout, *, batch: int = 64, seq: int = 4096, precision: str = "fp32",
-          cluster: str = "h100"):
+          cluster: str = "h100", settings: PlanSettings | None = None):
     cfg = get_preset("llama3-8b")
+    settings = settings or PlanSettings()
     return evaluate_layout(cfg, seq, batch, layout, get_cluster(cluster),
-                           PlanSettings(precision=precision))
+                           dataclasses.replace(settings, precision=precision))
 
 
 def test_dp_volume_by_zero_stage_matches_the_zero_paper():
@@ -84,8 +87,15 @@ def test_tp_volume_is_four_all_reduces_per_layer_and_microbatch():
     act = seq * cfg.dim * 2
     expected = batch * (4 * cfg.num_layers + 2) * 2 * (t - 1) / t * act
     assert row["tp_bytes"] == pytest.approx(expected)
-    with_sp = _eval(Layout(tp=t, sequence_parallel=True), batch=batch, seq=seq)
+    # Megatron-LM's sequence parallelism: the same volume (Korthikanti et al. 2022 §4.2.2)
+    with_sp = _eval(Layout(tp=t, sequence_parallel=True), batch=batch, seq=seq,
+                    settings=PlanSettings(selective_keeps_matmul_outputs=False))
     assert with_sp["tp_bytes"] == pytest.approx(expected)
+    # the trainer's block policy also gathers each layer's two normed sequence shards again in
+    # backward: one all-reduce's worth more per layer
+    trainer_sp = _eval(Layout(tp=t, sequence_parallel=True), batch=batch, seq=seq)
+    assert trainer_sp["tp_bytes"] == pytest.approx(
+        batch * (5 * cfg.num_layers + 2) * 2 * (t - 1) / t * act)
     assert with_sp["mem_activations"] < row["mem_activations"]
 
 

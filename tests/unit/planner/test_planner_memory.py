@@ -68,9 +68,10 @@ def test_activation_generalisations_shrink_in_the_expected_direction():
     assert _act(gpt, flash=True, dropout=False) == pytest.approx(sbh * 32 + 4 * 16 * S * B)
     llama = get_preset("llama3-8b")
     gqa = _act(llama, flash=True, dropout=False)
-    # q, k (GQA width), v, wo input, 4 SwiGLU tensors, 2 norm inputs, 2 normed inputs, lse.
+    # q, k (GQA width), v, wo input, gate, up and their product (silu(gate) recomputed), 2 norm
+    # inputs, 2 normed inputs, lse.
     e, d = 2, llama.dim
-    expected = S * B * e * (2 * llama.q_dim + 2 * llama.kv_dim + 4 * llama.ffn_dim + 4 * d)
+    expected = S * B * e * (2 * llama.q_dim + 2 * llama.kv_dim + 3 * llama.ffn_dim + 4 * d)
     assert gqa == pytest.approx(expected + 4 * llama.num_heads * S * B, rel=1e-12)
 
 
