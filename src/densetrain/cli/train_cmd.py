@@ -46,6 +46,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--ranks", default="", metavar="R[,R...]",
         help="with --dry-run: the ranks to simulate, one process each (default: one per role: "
              "the first and last rank, and a middle pipeline stage)")
+    parser.add_argument(
+        "--fit-gib", type=float, default=76.0, metavar="GIB",
+        help="with --dry-run: the memory a rank may hold (default 76: an 80 GB GPU less what a "
+             "CPU trace cannot see); a rank over it is listed with the changes that would fit")
     parser.set_defaults(func=run_train, accepts_extra=True)
 
 
@@ -88,10 +92,16 @@ def run_dry(job, args: argparse.Namespace) -> int:
         ranks = default_ranks(args.world_size, dims.pp)
     job = job.checked(world_size=dims.world_size, dp_size=dims.dp_size)  # the real run's line
     reports = dry_run_ranks(job, args.world_size, ranks)
+    from densetrain.dryrun.advice import format_advice
     from densetrain.dryrun.predict import comm_by_rank, planner_by_rank
 
+    if args.fit_gib <= 0:
+        raise UserError(f"--fit-gib {args.fit_gib}: give the GiB a rank may hold (> 0)")
     print(format_report(reports, planner_by_rank(job, args.world_size, reports),
                         comm=comm_by_rank(job, args.world_size, reports)))
+    advice = format_advice(job, args.world_size, reports, budget_bytes=args.fit_gib * 2**30)
+    if advice:
+        print("\n".join(advice))
     return 0
 
 

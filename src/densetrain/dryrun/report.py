@@ -11,11 +11,13 @@ GIB = 2**30
 
 def default_ranks(world_size: int, pp: int) -> list[int]:
     """One rank per distinct role: the first and last rank, and with pipeline parallel the
-    first rank of the first, a middle and the last stage (pp is the mesh's outer axis)."""
+    first rank of the first, the second (with the first stage's layer fewer, it holds the most
+    activations: one microbatch fewer in flight, one layer more), a middle and the last stage
+    (pp is the mesh's outer axis)."""
     per_stage = world_size // pp
     ranks = {0, world_size - 1}
     if pp > 2:
-        ranks.add((pp // 2) * per_stage)
+        ranks.update((per_stage, (pp // 2) * per_stage))
     return sorted(ranks)
 
 

@@ -351,6 +351,22 @@ def fields_read(rule: Rule, model: Any, run: RunShape) -> frozenset[str]:
     return frozenset(object.__getattribute__(probe, "_seen"))
 
 
+def balanced_split(num_layers: int, stages: int) -> list[int]:
+    """Layers per pipeline stage when ``pp_layer_split`` is empty: ``num_layers // stages``
+    each, and the remainder one layer each to the middle stages, the later first, then to the
+    last stage; the first stage never takes one. The first stage holds the token embedding and
+    the most microbatches in flight (1F1B: pp of them), the last the output head and the loss;
+    the later a middle stage, the fewer microbatches it holds. Llama 3 405B's 126 layers on 16
+    stages split 7, 8 x 14, 7, the paper's own (Dubey et al. 2024 §3.3.2: one layer fewer on
+    the first and the last stage)."""
+    base, extra = divmod(num_layers, stages)
+    split = [base] * stages
+    order = [*range(stages - 2, 0, -1), stages - 1, 0] if stages > 1 else [0]
+    for stage in order[:extra]:
+        split[stage] += 1
+    return split
+
+
 def layer_split_reasons(split: list[int], stages: int, num_layers: int) -> list[str]:
     """Why an explicit ``pp_layer_split`` cannot split ``num_layers`` over ``stages`` stages
     (empty: it can, or it is empty and the trainer balances the layers)."""

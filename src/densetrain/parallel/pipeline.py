@@ -35,6 +35,7 @@ from densetrain.errors import UserError
 from densetrain.models.loss import LossOutput
 from densetrain.parallel.config import ParallelConfig
 from densetrain.parallel.layout_check import (
+    balanced_split,
     degrees_layout,
     layer_split_reasons,
     layout_on_mesh,
@@ -51,8 +52,8 @@ _MULTI_STAGE = {
 
 
 def layer_split(num_layers: int, num_stages: int, given: list[int]) -> list[int]:
-    """Layers per stage: ``given`` (checked) or as balanced as possible (when the layers do not
-    divide evenly, the earlier stages take one extra layer each)."""
+    """Layers per stage: ``given`` (checked) or as balanced as possible
+    (`layout_check.balanced_split`: a remainder goes to the middle stages, never the first)."""
     problems = layer_split_reasons(given, num_stages, num_layers)
     if problems:
         raise UserError(problems[0])
@@ -60,8 +61,7 @@ def layer_split(num_layers: int, num_stages: int, given: list[int]) -> list[int]
         return list(given)
     require(("pp_stages_have_layers",), degrees_layout(pp=num_stages),
             SimpleNamespace(num_layers=num_layers))
-    base, extra = divmod(num_layers, num_stages)
-    return [base + (1 if i < extra else 0) for i in range(num_stages)]
+    return balanced_split(num_layers, num_stages)
 
 
 def stage_ids_for_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:

@@ -287,7 +287,16 @@ def memory_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layo
         # a layer's gradients in its backward: in the gathered dtype, then (reduced every
         # microbatch) in the gradients' dtype for the reduce-scatter
         accumulating = settings.pp_accumulates_unsharded_grads
-        in_backward = layer_params * (gather_bytes + (0.0 if accumulating else g_bytes))
+        # the stage's root unit (embedding, head) has its gradients from the stage backward's
+        # start (the head) or end (the embedding) until that backward's end; under sequence
+        # parallelism the block policy's backward also holds the two re-gathered normed inputs
+        # and the gathered input gradient, whole-sequence
+        root_params = np.maximum(stage_params - stage_layers * layer_params, 0.0)
+        in_backward = (layer_params + root_params) * (
+            gather_bytes + (0.0 if accumulating else g_bytes))
+        regathered = cols.sequence_parallel & (cols.tp > 1) & (
+            cols.activation_checkpointing != AC_FULL)
+        in_backward = in_backward + np.where(regathered, 3.0 * hidden, 0.0)
         grads_held = stage_params * g_bytes if accumulating else 0.0
         if settings.pp_reshards_after_forward:
             after_forward = np.minimum((cols.pp_virtual_stages + 1.0) * layer_params,

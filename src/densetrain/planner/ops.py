@@ -159,14 +159,17 @@ def compute_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, setting
         [gemm_f - skipped + attn_f + elem_f + rel_f,
          elem_f + rel_elem_f + (0.0 if settings.flash_attention else attn_f) + wo_f],
         default=wo_f)
-    # Balanced split: the first stage has ceil(L / pp) layers, the last floor(L / pp) + the head.
-    first = np.ceil(cfg.num_layers / cols.pp)
-    last = np.where(cols.pp == 1, cfg.num_layers, np.floor(cfg.num_layers / cols.pp))
+    # The trainer's split (`layout_check.balanced_split`): the fullest stage has ceil(L / pp)
+    # layers, the last floor(L / pp) (ceil when every stage but the first has one more) + the
+    # head; the busiest device is the slower of the two.
+    base, extra = np.floor(cfg.num_layers / cols.pp), cfg.num_layers % cols.pp
+    fullest = np.where(cols.pp == 1, cfg.num_layers, np.where(extra > 0, base + 1, base))
+    last = np.where(cols.pp == 1, cfg.num_layers, base + (extra >= cols.pp - 1))
     attention_s = 3.5 * attn_f + rel_f + rel_b
     layer_s = 3.0 * gemm_f + attention_s + 3.0 * elem_f + recompute
     head_s = 3.0 * head_f + loss
-    on_last = last * layer_s + head_s >= first * layer_s
-    stage_layers = np.where(on_last, last, first)
+    on_last = last * layer_s + head_s >= fullest * layer_s
+    stage_layers = np.where(on_last, last, fullest)
     per_mb = {
         "gemm_s": 3.0 * (gemm_f * stage_layers + head_f * on_last),
         "attention_s": attention_s * stage_layers,

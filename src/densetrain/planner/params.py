@@ -15,7 +15,12 @@ from dataclasses import dataclass
 
 from densetrain.errors import UserError
 from densetrain.models.config import ModelConfig
-from densetrain.parallel.layout_check import degrees_layout, kv_split, rule_reasons
+from densetrain.parallel.layout_check import (
+    balanced_split,
+    degrees_layout,
+    kv_split,
+    rule_reasons,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,9 +38,9 @@ class ShardedParams:
     num_layers: int
 
     def stage_layers(self, pp: int) -> list[int]:
-        """Layers on each of ``pp`` stages, as balanced as possible (earlier stages get more)."""
-        base, rest = divmod(self.num_layers, pp)
-        return [base + (1 if i < rest else 0) for i in range(pp)]
+        """Layers on each of ``pp`` stages, as the trainer splits them
+        (`layout_check.balanced_split`)."""
+        return balanced_split(self.num_layers, pp)
 
     def stage_params(self, pp: int) -> list[int]:
         """Parameters held by one rank of each pipeline stage."""

@@ -88,7 +88,12 @@ def test_virtual_stages_need_an_interleaved_schedule():
 
 
 def test_layer_split_balanced_given_and_rejected():
-    assert layer_split(10, 4, []) == [3, 3, 2, 2]
+    # a remainder goes to the middle stages (the later first), then the last, never the first
+    assert layer_split(10, 4, []) == [2, 3, 3, 2]
+    assert layer_split(11, 4, []) == [2, 3, 3, 3]
+    assert layer_split(5, 2, []) == [2, 3]
+    # Llama 3 405B on 16 stages: one layer fewer on the first and the last (Dubey et al. §3.3.2)
+    assert layer_split(126, 16, []) == [7] + [8] * 14 + [7]
     assert layer_split(4, 2, [1, 3]) == [1, 3]
     with pytest.raises(ValueError, match="summing to model.num_layers=4"):
         layer_split(4, 2, [1, 2])
