@@ -41,6 +41,7 @@ after it is recomputed from it).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 
 import torch
 from torch import nn
@@ -139,15 +140,41 @@ def _full_contexts():
     return aten_matmuls(), aten_matmuls()
 
 
+def _keeps_by_op(op, recompute: tuple[str, ...]) -> bool:
+    if op in _MATMULS:
+        return True
+    if op in _ATTENTION:
+        return "attention" not in recompute
+    if op in _NORMS:
+        return "norms" not in recompute
+    if op in _ACTIVATIONS:
+        return "mlp_activation" not in recompute
+    return False
+
+
+def _compiled_block_contexts(recompute: tuple[str, ...]):
+    """The policy of a block that ``torch.compile`` will trace: by operator alone (torch.compile
+    takes a checkpoint's ``context_fn`` only as a function or a partial of constants, and a
+    compiled graph runs no module hooks), every matmul kept; inductor's partitioner chooses the
+    rest of what to save."""
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        keep = _keeps_by_op(op, recompute)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str, *, every: int = 1,
                                    recompute: Iterable[str] | None = None,
                                    tensor_parallel: bool = False,
-                                   sequence_parallel: bool = False) -> nn.Module:
+                                   sequence_parallel: bool = False,
+                                   compiled: bool = False) -> nn.Module:
     """Wrap blocks of ``model.layers`` in place; ``mode`` is "none", "full" or "selective".
 
     ``recompute``: the parts "selective" recomputes (None: `DEFAULT_SELECTIVE_PARTS`);
     ``tensor_parallel``/``sequence_parallel``: the blocks' layout (with sequence parallelism
-    "none" still wraps every block, to keep sequence shards instead of gathered inputs). Block
+    "none" still wraps every block, to keep sequence shards instead of gathered inputs);
+    ``compiled``: the blocks will run under ``torch.compile`` (`_compiled_block_contexts`). Block
     names are kept (the wrapper's inner name is dropped from parameter names by the model's init
     and by checkpoints' canonical names).
     """
@@ -164,8 +191,12 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, *, every: int = 
             model.layers[name] = checkpoint_wrapper(block, context_fn=_full_contexts,
                                                     preserve_rng_state=True)
         elif block_mode == "selective" or sharded_inputs:
-            policy = BlockPolicy(block, recompute=parts if block_mode == "selective" else (),
-                                 tensor_parallel=tensor_parallel)
-            model.layers[name] = checkpoint_wrapper(block, context_fn=policy.contexts,
+            kept_parts = tuple(parts) if block_mode == "selective" else ()
+            if compiled:
+                context_fn = partial(_compiled_block_contexts, kept_parts)
+            else:
+                context_fn = BlockPolicy(block, recompute=kept_parts,
+                                         tensor_parallel=tensor_parallel).contexts
+            model.layers[name] = checkpoint_wrapper(block, context_fn=context_fn,
                                                     preserve_rng_state=True)
     return model

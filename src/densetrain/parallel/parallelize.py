@@ -74,7 +74,7 @@ def parallelize(
         apply_context_parallel(model, pmesh.submesh("cp"))
     apply_activation_checkpointing(model, cfg.activation_checkpointing, every=cfg.ac_every,
                                    recompute=cfg.ac_recompute, tensor_parallel=dims.tp > 1,
-                                   sequence_parallel=cfg.sequence_parallel)
+                                   sequence_parallel=cfg.sequence_parallel, compiled=compile)
     if compile:
         apply_compile(model)
     kind = mesh_layout(pmesh, cfg).data_parallel
