@@ -183,9 +183,9 @@ def _step(job: JobConfig, model, pmesh, rank: int) -> RankReport:
     autocast = autocast_factory(device, _bf16_if_float8(training.dtype))
     # Two micro-batches when the step has them: the first runs as every non-final one does
     # (gradient accumulation), so what it leaves for the next (gradients) is in the peak.
-    traced_micro, untraced_buffers = min(2, local_batch // micro), 0
+    traced_micro = min(2, local_batch // micro)
     if dims.pp > 1:
-        traced_micro, untraced_buffers = _static_pipeline(model, job, micro, autocast, notes)
+        traced_micro = _static_pipeline(model, job, micro, autocast, notes)
     tokens = torch.randint(0, model_cfg.vocab_size,
                            (micro * traced_micro, job.data.seq_len + 1))
     batch = model.prepare_batch(Batch(inputs=tokens[:, :-1], targets=tokens[:, 1:]), device)
@@ -220,8 +220,7 @@ def _step(job: JobConfig, model, pmesh, rank: int) -> RankReport:
                      if dims.degree(axis) > 1},
         param_bytes=_storage_bytes(params), grad_bytes=_storage_bytes(grads),
         optimizer_bytes=_storage_bytes(_optimizer_tensors(optimizer)),
-        peak_bytes=tracer.peak + untraced_buffers,
-        phase_peaks={phase: peak + untraced_buffers for phase, peak in tracer.phase_peaks.items()},
+        peak_bytes=tracer.peak, phase_peaks=dict(tracer.phase_peaks),
         collectives=sorted(tracer.collectives.values(), key=lambda c: (c.group, c.kind)),
         micro_batch_size=micro, seq_len=job.data.seq_len,
         microbatches=local_batch // micro, traced_microbatches=max(traced_micro, 1),
@@ -229,22 +228,15 @@ def _step(job: JobConfig, model, pmesh, rank: int) -> RankReport:
         local_params=sum((p.to_local() if hasattr(p, "to_local") else p).numel()
                          for p in params),
         seconds=0.0, notes=notes, save_items=save_items, save_bytes=save_bytes,
-        kinds_at_peak=_with_untraced(tracer.kinds_at_peak, untraced_buffers),
+        kinds_at_peak=tracer.kinds_at_peak,
     )
 
 
-def _with_untraced(kinds: dict[str, int], untraced_buffers: int) -> dict[str, int]:
-    if untraced_buffers:
-        kinds = {**kinds, "pipeline receive buffers of untraced microbatches": untraced_buffers}
-    return kinds
-
-
 def _static_pipeline(model, job: JobConfig, micro: int, autocast,
-                     notes: list[str]) -> tuple[int, int]:
+                     notes: list[str]) -> int:
     """Give this rank's pipeline a schedule that knows its stages' input and output shapes, over
     the microbatches that reach the schedule's peak. Returns how many it runs (0: the schedule
-    cannot run here, and ``notes`` says why) and the bytes of the receive buffers of the step's
-    other microbatches.
+    cannot run here, and ``notes`` says why).
 
     torch's schedule settles at its first step, by p2p with the neighbouring stages, whether the
     stages' shapes are given (a vote) or must be inferred (an exchange of metadata); a fake peer
@@ -275,7 +267,7 @@ def _static_pipeline(model, job: JobConfig, micro: int, autocast,
     if InferenceMode is None or pipeline.loss_fn is None:
         notes.append(f"pipeline forward/backward not traced (torch {torch.__version__} has no "
                      "static stage vote): gradients made as zeros")
-        return 0, 0
+        return 0
     m, pp = pipeline.num_microbatches, pmesh.dims.pp
     in_flight = {"gpipe": m, "1f1b": pp}.get(cfg.pp_schedule, 2 * pp)
     # one more than the schedule holds in flight: its steady state, where a stage holds its
@@ -330,7 +322,7 @@ def _static_pipeline(model, job: JobConfig, micro: int, autocast,
         notes.append(f"pipeline: {count} of the step's {m} microbatches traced (the schedule's "
                      "peak; the rest repeat its steady state, their receive buffers made per "
                      "transfer)")
-    return count, 0
+    return count
 
 
 def _save_plan(model, optimizer, *, is_coordinator: bool, notes: list[str]) -> tuple[int, int]:

@@ -120,13 +120,7 @@ class BlockPolicy:
         if op in _KEPT_COLLECTIVES:
             # the attention output's reduction feeds the MLP norm; the MLP's only the residual
             return self._inside == "wo"
-        if op in _ATTENTION:
-            return "attention" not in self.recompute
-        if op in _NORMS:
-            return "norms" not in self.recompute
-        if op in _ACTIVATIONS:
-            return "mlp_activation" not in self.recompute
-        return False
+        return _part_kept(op, self.recompute)
 
     def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if self.keeps(op) else CheckpointPolicy.PREFER_RECOMPUTE
@@ -140,15 +134,13 @@ def _full_contexts():
     return aten_matmuls(), aten_matmuls()
 
 
-def _keeps_by_op(op, recompute: tuple[str, ...]) -> bool:
-    if op in _MATMULS:
-        return True
-    if op in _ATTENTION:
-        return "attention" not in recompute
-    if op in _NORMS:
-        return "norms" not in recompute
-    if op in _ACTIVATIONS:
-        return "mlp_activation" not in recompute
+def _part_kept(op, recompute) -> bool:
+    """Whether ``op``'s output is kept as one of a block's parts (attention core, norms, MLP
+    activation) that ``recompute`` may name; any other operator's is not."""
+    for ops, part in ((_ATTENTION, "attention"), (_NORMS, "norms"),
+                      (_ACTIVATIONS, "mlp_activation")):
+        if op in ops:
+            return part not in recompute
     return False
 
 
@@ -158,7 +150,7 @@ def _compiled_block_contexts(recompute: tuple[str, ...]):
     compiled graph runs no module hooks), every matmul kept; inductor's partitioner chooses the
     rest of what to save."""
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        keep = _keeps_by_op(op, recompute)
+        keep = op in _MATMULS or _part_kept(op, recompute)
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)

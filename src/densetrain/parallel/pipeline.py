@@ -22,6 +22,7 @@ interleaving v stages per rank divides it by v.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -314,10 +315,9 @@ def make_schedule(modules: list[nn.Module], stage_ids: list[int], num_stages: in
     stages = []
     for stage_id, module in zip(stage_ids, modules, strict=True):
         io = stage_io(stage_id, module) if stage_io is not None else (None, None)
-        stage = _lean_stage_class()(module, stage_id, num_stages, device, group=group,
-                                    input_args=io[0], output_args=io[1])
-        stage.reduce_every_microbatch = cfg.pp_grad_reduce == "microbatch"
-        stages.append(stage)
+        stages.append(_lean_stage_class()(
+            module, stage_id, num_stages, device, group=group, input_args=io[0],
+            output_args=io[1], reduce_every_microbatch=cfg.pp_grad_reduce == "microbatch"))
     if cfg.pp_schedule in _SINGLE_STAGE:
         cls = getattr(pipelining, _SINGLE_STAGE[cfg.pp_schedule])
         return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
@@ -325,18 +325,10 @@ def make_schedule(modules: list[nn.Module], stage_ids: list[int], num_stages: in
     return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
 
 
-_LEAN_STAGE = None
-
-
+@functools.cache
 def _lean_stage_class():
-    """`PipelineStage` whose receive buffers live per transfer (made once, on first use)."""
-    global _LEAN_STAGE
-    if _LEAN_STAGE is None:
-        _LEAN_STAGE = _make_lean_stage_class()
-    return _LEAN_STAGE
-
-
-def _make_lean_stage_class():
+    """`PipelineStage` whose receive buffers live per transfer (made once, on first use: the
+    pipelining import stays out of the module's)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining._backward import stage_backward
     from torch.distributed.pipelining.stage import PipelineStage, _make_tensor_from_meta
@@ -361,7 +353,9 @@ def _make_lean_stage_class():
         parameters gathered (torch's stage defers the reduction to the step's end and holds
         the stage's whole gradients unsharded until then)."""
 
-        reduce_every_microbatch = False
+        def __init__(self, *args, reduce_every_microbatch: bool = False, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.reduce_every_microbatch = reduce_every_microbatch
 
         def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict,
                                        last_backward: bool = False):

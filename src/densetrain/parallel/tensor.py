@@ -175,8 +175,6 @@ def vocab_parallel_lookup(tokens_BS: torch.Tensor, weight: DTensor, *, output_la
     (placement,) = weight.placements
     rows, first = placement.local_shard_size_and_offset(weight.shape[0], mesh.size(),
                                                         mesh.get_local_rank())
-    if isinstance(tokens_BS, DTensor):
-        tokens_BS = tokens_BS.full_tensor()
     outside_BS = (tokens_BS < first) | (tokens_BS >= first + rows)
     local_BS = (tokens_BS - first).masked_fill(outside_BS, 0)
     rows_BSE = F.embedding(local_BS, weight.to_local())

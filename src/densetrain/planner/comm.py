@@ -109,12 +109,10 @@ def _tp_recompute_calls(cols: LayoutColumns, settings: PlanSettings) -> np.ndarr
     two all-gathers (1.0) under sequence parallelism, nothing without it."""
     early = np.where(cols.sequence_parallel, 1.5, 1.0)
     full = early if settings.checkpoint_early_stop else np.full(len(cols), 2.0)
-    block_policy = np.where(cols.sequence_parallel & (cols.tp > 1), 1.0, 0.0)
-    selective = block_policy if settings.selective_keeps_matmul_outputs else np.zeros(len(cols))
-    none = block_policy if settings.selective_keeps_matmul_outputs else np.zeros(len(cols))
-    policy = cols.activation_checkpointing
-    return np.where(policy == _FULL, full,
-                    np.where(policy == AC_POLICIES.index("selective"), selective, none))
+    # the block policy ("none" and "selective" alike) re-gathers the two normed shards
+    regathered = cols.sequence_parallel & (cols.tp > 1) & settings.selective_keeps_matmul_outputs
+    return np.where(cols.activation_checkpointing == _FULL, full,
+                    np.where(regathered, 1.0, 0.0))
 
 
 def fsdp_calls_per_step(cols: LayoutColumns, mem: dict[str, np.ndarray],
