@@ -212,6 +212,7 @@ def validate_job(
 def _check_layout(job: JobSections, model_cfg: Any, world_size: int | None) -> None:
     """The trainer's layout rules (``parallel.layout_check.check_layout``, the same function
     the trainer and the planner use) for this job's parallel section, model and batch."""
+    from densetrain.parallel.config import computes_in_bf16_params
     from densetrain.parallel.layout_check import check_layout
 
     reasons = check_layout(job.parallel, model_cfg, seq_len=job.data.seq_len,
@@ -220,7 +221,8 @@ def _check_layout(job: JobSections, model_cfg: Any, world_size: int | None) -> N
                            world_size=world_size, compile=job.training.compile,
                            document_masking=job.data.document_masking,
                            batch_ramp=job.schedule.batch_ramp_start > 0,
-                           float8=job.training.dtype == "float8")
+                           float8=job.training.dtype == "float8",
+                           bf16_params=computes_in_bf16_params(job.parallel, job.training.dtype))
     if reasons:
         raise UserError(reasons[0])
 

@@ -37,7 +37,9 @@ class TrainingConfig:
             or under pipeline parallelism the rank's batch over the pipeline microbatches
             (``parallel.pp_microbatches``, else ``pp``), so one batch size runs on any layout.
         seed: seed of weight initialisation and of every other random choice of the trainer.
-        dtype: ``fp32``, ``bf16`` (bf16 autocast with fp32 master weights and optimizer state),
+        dtype: ``fp32``, ``bf16`` (bf16 compute with fp32 master weights, gradients and
+            optimizer state; ``parallel.param_dtype`` says whether the layers see bf16 copies
+            of the weights or cast fp32 ones under autocast),
             or ``float8``: the blocks' linear layers in float8 through torchao (the rest as
             ``bf16``; needs ``densetrain[float8]``; faster only on GPUs with float8 tensor cores).
         float8_recipe: float8 scaling, ``tensorwise`` (one scale per tensor) or ``rowwise``.

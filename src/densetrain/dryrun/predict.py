@@ -2,8 +2,9 @@
 
 The planner is given the trainer's real per-parameter bytes: fp32 parameters and gradients, two
 fp32 AdamW moments, and all-gathers in bf16 where FSDP gathers in the bf16 compute dtype
-(``parallel.fsdp_param_dtype = "compute"``: the ``fsdp2-bf16`` precision of
-`planner.layout.PRECISIONS`), else in fp32 (``fp32``); activations in 2 bytes under bf16 or
+(``parallel.param_dtype = "compute"``: the ``fsdp2-bf16`` precision of
+`planner.layout.PRECISIONS`; on a layout without sharded data parallelism FSDP over one rank,
+``PlanSettings.single_rank_fsdp``), else in fp32 (``fp32``); activations in 2 bytes under bf16 or
 float8 autocast, 4 in fp32. The CUDA workspace (``PlanSettings.workspace_gb``), which no trace
 on the CPU can see, is left out of the prediction compared with the trace.
 """
@@ -19,7 +20,7 @@ def _layout_and_settings(job: JobConfig, world_size: int):
     """The planner's `Layout` of ``job`` on ``world_size`` ranks and the `PlanSettings` of the
     trainer's real bytes (module docstring)."""
     from densetrain.parallel.mesh import ParallelDims
-    from densetrain.parallel.parallelize import fsdp_gather_dtype
+    from densetrain.parallel.parallelize import fsdp_gather_dtype, single_rank_fsdp
     from densetrain.planner.layout import Layout, PlanSettings
 
     par = job.parallel
@@ -32,7 +33,8 @@ def _layout_and_settings(job: JobConfig, world_size: int):
         activation_checkpointing=par.activation_checkpointing,
         micro_batch_size=job.training.micro_batch_size)
     compute = torch.bfloat16 if job.training.dtype == "bf16" else None
-    gathers_bf16 = stage == 3 and fsdp_gather_dtype(par, compute) == torch.bfloat16
+    single = single_rank_fsdp(par, dims, compute)
+    gathers_bf16 = single or (stage == 3 and fsdp_gather_dtype(par, compute) == torch.bfloat16)
     # the optimizer the dry run builds (`run._optimizer_as_on_device`): foreach AdamW on a CPU
     # job, whose step allocates a copy of the rank's parameters; fused elsewhere
     foreach = job.optim.name == "adamw" and (job.optim.fused is False or (
@@ -43,6 +45,7 @@ def _layout_and_settings(job: JobConfig, world_size: int):
                             activation_bytes=4 if job.training.dtype == "fp32" else 2,
                             optimizer_step_temporaries=1.0 if foreach else 0.0,
                             pp_accumulates_unsharded_grads=par.pp_grad_reduce == "step",
+                            single_rank_fsdp=single,
                             workspace_gb=0.0)
     return layout, settings
 

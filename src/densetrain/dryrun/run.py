@@ -124,11 +124,14 @@ def _dry_run_resolved(job: JobConfig, world_size: int, rank: int) -> RankReport:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from densetrain.parallel.mesh import ParallelDims
+    from densetrain.parallel.parallelize import single_rank_fsdp
 
     start = time.perf_counter()
     dims = ParallelDims.from_config(job.parallel, world_size)
     with fake_world(world_size, rank):
-        pmesh = dims.build_mesh("cpu")  # real (small) rank tables, outside fake mode
+        compute = torch.bfloat16 if job.training.dtype == "bf16" else None
+        pmesh = dims.build_mesh(  # real (small) rank tables, outside fake mode
+            "cpu", single_rank_shard=single_rank_fsdp(job.parallel, dims, compute))
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         report = _traced_step(job, pmesh, rank, fake_mode)
     report.seconds = time.perf_counter() - start
@@ -138,9 +141,11 @@ def _dry_run_resolved(job: JobConfig, world_size: int, rank: int) -> RankReport:
 def _traced_step(job: JobConfig, pmesh, rank: int, fake_mode) -> RankReport:
     """Build the model and optimizer of this rank and trace one step (its tensors fake)."""
     from densetrain.parallel.build import build_model
+    from densetrain.train.setup import run_layout
 
     dims, training, device = pmesh.dims, job.training, torch.device("cpu")
     model_cfg = job.build_model_config()
+    pmesh = pmesh.with_layout(run_layout(job, model_cfg, dims.world_size), model_cfg)
     local_batch = dims.local_batch_size(training.global_batch_size)
     micro = training.micro_batch_size
     model = build_model(
@@ -172,10 +177,11 @@ def _step(job: JobConfig, model, pmesh, rank: int) -> RankReport:
     from densetrain.data.stream import Batch
     from densetrain.parallel.mesh import MESH_AXES
     from densetrain.train.device import autocast_factory
-    from densetrain.train.setup import _bf16_if_float8, _build_optimizer
+    from densetrain.train.setup import _bf16_if_float8, _build_optimizer, run_layout
 
     dims, training, device = pmesh.dims, job.training, torch.device("cpu")
     model_cfg = job.build_model_config()
+    pmesh = pmesh.with_layout(run_layout(job, model_cfg, dims.world_size), model_cfg)
     local_batch = dims.local_batch_size(training.global_batch_size)
     micro = training.micro_batch_size
     optimizer = _build_optimizer(model, pmesh, _optimizer_as_on_device(job, notes := []))

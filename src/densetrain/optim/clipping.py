@@ -45,28 +45,28 @@ def clip_grad_norm_(
     if not params:
         return torch.tensor(0.0)
     # Tensor parallel without sequence parallel leaves the norms' weights plain (replicated)
-    # tensors beside DTensor shards; torch's foreach norm refuses the mix, so each kind is
-    # reduced on its own and the two totals combined.
+    # tensors beside DTensor shards, or, under FSDP, DTensors on the data-parallel mesh beside
+    # shards on the data-parallel x tensor-parallel one; torch's foreach norm refuses a list
+    # that mixes kinds or meshes, so each group is reduced on its own and the totals combined.
     measured = [p for p in params if not getattr(p, _COUNTED_ELSEWHERE, False)]
-    sharded = [p.grad for p in measured if isinstance(p.grad, DTensor)]
-    plain = [p.grad for p in measured if not isinstance(p.grad, DTensor)]
     totals = []
-    for grads in (sharded, plain):
-        if grads:
-            part = torch.nn.utils.get_total_norm(
-                grads, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
-                foreach=foreach,
-            )
-            totals.append(part.full_tensor() if isinstance(part, DTensor) else part)
+    for grads in _by_mesh([p.grad for p in measured]):
+        part = torch.nn.utils.get_total_norm(
+            grads, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
+            foreach=foreach,
+        )
+        totals.append(part.full_tensor() if isinstance(part, DTensor) else part)
     if not totals:  # only copies counted on other ranks: this rank adds nothing
         grad = params[0].grad
         total = torch.zeros((), device=grad.device, dtype=torch.float32)
+    elif math.isinf(norm_type):
+        total = totals[0]
+        for part in totals[1:]:
+            total = torch.maximum(total, part.to(total.device))
     elif len(totals) == 1:
         total = totals[0]
-    elif math.isinf(norm_type):
-        total = torch.maximum(totals[0], totals[1].to(totals[0].device))
     else:
-        total = (totals[0] ** norm_type + totals[1].to(totals[0].device) ** norm_type) ** (
+        total = sum(part.to(totals[0].device) ** norm_type for part in totals) ** (
             1.0 / norm_type)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         if math.isinf(norm_type):
@@ -76,8 +76,18 @@ def clip_grad_norm_(
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
             total = total ** (1.0 / norm_type)
     if 0 < max_norm < math.inf:  # an infinite bound would multiply every gradient by 1
-        for kind in (True, False):
-            group = [p for p in params if isinstance(p.grad, DTensor) is kind]
-            if group:
-                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
+        by_grad = {id(p.grad): p for p in params}
+        for grads in _by_mesh([p.grad for p in params]):
+            group = [by_grad[id(g)] for g in grads]
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
     return total
+
+
+def _by_mesh(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``grads`` grouped so that each group is all plain tensors or all DTensors of one mesh,
+    in first-seen order."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for grad in grads:
+        key = grad.device_mesh if isinstance(grad, DTensor) else None
+        groups.setdefault(key, []).append(grad)
+    return list(groups.values())

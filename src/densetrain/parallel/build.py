@@ -18,7 +18,7 @@ stages' parameters only, never the whole model. The last stage is handed the tar
 of its forward and returns its loss from the model's own ``loss_head`` (vocab-parallel and
 chunked under TP), so no stage returns full-vocabulary logits; the schedule's loss function
 (``pipeline.stage_loss``) only picks the loss out. FSDP gathers parameters in the compute dtype
-(``parallel.fsdp_param_dtype``, `parallelize.fsdp_gather_dtype`: bf16 under bf16 autocast) and
+(``parallel.param_dtype``, `parallelize.fsdp_gather_dtype`: bf16 under bf16 autocast) and
 reduces gradients in fp32. Materialisation and initialisation run inside
 ``build_model(materialize=...)``, which the dry run (``densetrain.dryrun``) sets to
 ``FakeTensorMode``.
@@ -75,7 +75,7 @@ def build_model(
     """``model_cfg`` laid out on ``pmesh`` as ``parallel_cfg`` says, initialised from ``seed``.
 
     ``loss_chunk_size`` selects the chunked output head (None: full logits). ``compute_dtype``
-    is autocast's dtype (None: none): FSDP gathers parameters in it as ``fsdp_param_dtype``
+    is autocast's dtype (None: none): FSDP gathers parameters in it as ``param_dtype``
     says. The layout is the run's (``pmesh.layout``, checked where the run was built); on a
     mesh without one (a direct call) it is the mesh's degrees with ``parallel_cfg``'s options,
     and the rules this builder relies on are checked here: then pipeline parallel needs

@@ -40,8 +40,15 @@ def check_recompute_parts(parts) -> None:
                             f"allowed: {list(RECOMPUTE_PARTS)}")
 
 
-FSDP_PARAM_DTYPES = ("compute", "fp32")
-"""Allowed ``parallel.fsdp_param_dtype`` values."""
+PARAM_DTYPES = ("compute", "fp32")
+"""Allowed ``parallel.param_dtype`` values."""
+
+
+def computes_in_bf16_params(parallel: ParallelConfig, training_dtype: str) -> bool:
+    """Whether a job's layers compute in bf16 copies of fp32 parameters: ``training.dtype`` bf16
+    with ``parallel.param_dtype`` "compute" (FSDP's bf16 gathers, or FSDP over one-rank shards
+    where data parallelism is not sharded: `parallel.parallelize.single_rank_fsdp`)."""
+    return training_dtype == "bf16" and parallel.param_dtype == "compute"
 
 
 @dataclass(kw_only=True)
@@ -96,11 +103,18 @@ class ParallelConfig:
     """Apply the mode to every k-th block (1 = all blocks); the others run as "none"."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer states in CPU memory (FSDP2 offload)."""
-    fsdp_param_dtype: str = "compute"
-    """Dtype FSDP gathers parameters in: "compute" (the training dtype: bf16 under
-    ``training.dtype = "bf16"``, halving all-gather bytes and the gathered copies, with the
-    residual stream in bf16; gradients are still reduced and kept in fp32) or "fp32" (gather the
-    fp32 parameters and let autocast cast them for each matmul, as one process does)."""
+    param_dtype: str = "compute"
+    """Dtype the layers' parameters are computed in: "compute" (the training dtype: bf16 under
+    ``training.dtype = "bf16"``) or "fp32" (fp32 parameters, cast by autocast for each matmul,
+    as one process does). With "compute" the residual stream, the tensor- and
+    sequence-parallel collectives, the FSDP all-gathers and the pipeline sends are bf16, while
+    the parameters the optimizer steps (its master weights), the gradients and their
+    reduction stay fp32. FSDP gathers its shards in bf16; a layout without sharded data
+    parallelism (tensor or pipeline parallel alone, plain data parallel) runs FSDP2 over a
+    one-rank shard group (`parallelize.single_rank_fsdp`): its fp32 shard is the whole
+    parameter, the bf16 copy is made as FSDP would gather it, and gradients accumulate in fp32
+    (Megatron-LM's bf16 with fp32 main parameters and gradients). ZeRO-1/2 and one process
+    keep fp32 parameters under autocast."""
     collective_timeout_s: float = 600.0
     """A collective that waits longer than this fails with an error naming the rank and step."""
 
@@ -149,10 +163,10 @@ class ParallelConfig:
             raise UserError("parallel.ac_recompute must be a list of block parts, e.g. "
                             f'["norms", "mlp_activation"], got {self.ac_recompute!r}')
         check_recompute_parts(self.ac_recompute)
-        if self.fsdp_param_dtype not in FSDP_PARAM_DTYPES:
+        if self.param_dtype not in PARAM_DTYPES:
             raise UserError(
-                f"parallel.fsdp_param_dtype must be one of {list(FSDP_PARAM_DTYPES)}, "
-                f"got {self.fsdp_param_dtype!r}"
+                f"parallel.param_dtype must be one of {list(PARAM_DTYPES)}, "
+                f"got {self.param_dtype!r}"
             )
         if not isinstance(self.pp_microbatches, int) or self.pp_microbatches < 0:
             raise UserError(

@@ -72,6 +72,10 @@ class RunShape:
     """The global batch grows during the run (``schedule.batch_ramp_start > 0``)."""
     float8: bool = False
     """The blocks' linear layers run in float8 (``training.dtype=float8``)."""
+    bf16_params: bool = False
+    """The layers compute in bf16 copies of fp32 parameters (``training.dtype=bf16`` with
+    ``parallel.param_dtype=compute``): without sharded data parallelism, FSDP2 over one-rank
+    shards (`parallel.parallelize.single_rank_fsdp`), which also replicates."""
 
 
 @dataclass(frozen=True)
@@ -263,11 +267,15 @@ RULES: tuple[Rule, ...] = (
          & ((f.tp > 1) | (f.pp > 1) | (f.cp > 1) | (f.dp_replicate > 1)),
          lambda f, m, r: f"parallel.zero_stage={f.zero_stage} runs on pure data parallel "
          "(dp_shard only); use zero_stage=3 to compose with tp, pp, cp or dp_replicate"),
+    # DDP (torch's replicate) does not compose with tensor or pipeline parallel; replicas of
+    # one-rank FSDP shards, which bf16 parameters use, do (HSDP)
     Rule("ddp_without_tp_pp",
          lambda f, m, r: (f.dp_shard * f.cp == 1) & (f.dp_replicate > 1) & ((f.tp > 1)
-                                                                          | (f.pp > 1)),
+                                                                          | (f.pp > 1))
+         & (not r.bf16_params),
          lambda f, m, r: f"parallel.dp_replicate={f.dp_replicate} with tp={f.tp}, pp={f.pp} and "
-         "dp_shard=1 is not supported: use dp_shard (FSDP) for the data-parallel degree"),
+         "dp_shard=1 runs with bf16 parameters only (training.dtype=bf16 with "
+         "parallel.param_dtype=compute); else use dp_shard (FSDP) for the data-parallel degree"),
     Rule("batch_splits",
          lambda f, m, r: r.global_batch_size % (f.dp * f.micro_batch_size) != 0,
          lambda f, m, r: f"training.global_batch_size={r.global_batch_size} is not divisible by "
@@ -466,7 +474,7 @@ class ResolvedLayout:
 def resolve_layout(parallel_cfg: Any, model_cfg: Any, *, world_size: int, seq_len: int,
                    global_batch_size: int, micro_batch_size: int, compile: bool = False,
                    document_masking: bool = False, batch_ramp: bool = False,
-                   float8: bool = False) -> ResolvedLayout:
+                   float8: bool = False, bf16_params: bool = False) -> ResolvedLayout:
     """The `ResolvedLayout` of ``parallel_cfg`` (a ``ParallelConfig``) training ``model_cfg``
     (None: no kv split) on ``world_size`` ranks. Pure: it checks nothing but the degrees
     (``UserError`` when they do not fit the world, `resolve_dp_shard`); `layout_reasons` says
@@ -480,7 +488,7 @@ def resolve_layout(parallel_cfg: Any, model_cfg: Any, *, world_size: int, seq_le
                      run=RunShape(seq_len=seq_len, global_batch_size=global_batch_size,
                                   world_size=world_size, compile=compile,
                                   document_masking=document_masking, batch_ramp=batch_ramp,
-                                  float8=float8),
+                                  float8=float8, bf16_params=bf16_params),
                      micro_batch_size=micro_batch_size)
 
 
@@ -535,7 +543,7 @@ with no world size yet): a batch that does not split over part of dp does not sp
 def check_layout(parallel: Any, model: Any, *, seq_len: int, global_batch_size: int,
                  micro_batch_size: int, world_size: int | None, compile: bool = False,
                  document_masking: bool = False, batch_ramp: bool = False,
-                 float8: bool = False) -> list[str]:
+                 float8: bool = False, bf16_params: bool = False) -> list[str]:
     """Why ``parallel`` (a ``ParallelConfig``) cannot train ``model`` (a ``ModelConfig``) on
     this run; an empty list when the trainer runs it. One sentence per violated rule: the
     `layout_reasons` of its `resolve_layout`.
@@ -554,7 +562,7 @@ def check_layout(parallel: Any, model: Any, *, seq_len: int, global_batch_size: 
                                 global_batch_size=global_batch_size,
                                 micro_batch_size=micro_batch_size, compile=compile,
                                 document_masking=document_masking, batch_ramp=batch_ramp,
-                                float8=float8)
+                                float8=float8, bf16_params=bf16_params)
     except UserError as err:  # the degrees do not fit the world
         return [str(err)]
     return _reasons(layout, model, unresolved=unresolved)

@@ -97,22 +97,27 @@ class ParallelDims:
         """Mesh axes of degree > 1, outermost first."""
         return [a for a in MESH_AXES if getattr(self, a) > 1]
 
-    def build_mesh(self, device_type: str) -> ParallelMesh:
+    def build_mesh(self, device_type: str, *, single_rank_shard: bool = False) -> ParallelMesh:
         """The `ParallelMesh` of this layout: the ``DeviceMesh`` over the active axes (plus
         flattened ones), or none on one rank.
 
-        The default process group must be initialised (see ``parallel.distributed``).
+        ``single_rank_shard`` adds a ``dp_shard`` dimension of size 1 to a mesh without one,
+        over which FSDP2 keeps fp32 master weights and computes with their bf16 copies
+        (`parallelize.single_rank_fsdp`); `submesh` and `group` still see degree 1 there. The
+        default process group must be initialised (see ``parallel.distributed``).
         """
         from torch.distributed.device_mesh import init_device_mesh
 
         axes = self.active_axes()
         if not axes:
             return ParallelMesh(dims=self, device_mesh=None)
+        if single_rank_shard and "dp_shard" not in axes:
+            axes = [a for a in MESH_AXES if a in axes or a == "dp_shard"]
         mesh = init_device_mesh(
             device_type, tuple(getattr(self, a) for a in axes), mesh_dim_names=tuple(axes)
         )
         for flat_name, parts in FLATTENED_AXES.items():
-            present = tuple(a for a in parts if a in axes)
+            present = tuple(a for a in parts if getattr(self, a) > 1)
             if len(present) > 1:
                 mesh[present]._flatten(flat_name)
         return ParallelMesh(dims=self, device_mesh=mesh)
@@ -156,6 +161,18 @@ class ParallelMesh:
             return name
         present = [a for a in FLATTENED_AXES[name] if getattr(self.dims, a) > 1]
         return present[0] if len(present) == 1 else name
+
+    def param_shard_mesh(self):
+        """The mesh FSDP shards parameters over when sharded data parallelism is off but the
+        mesh has the size-1 ``dp_shard`` dimension (`ParallelDims.build_mesh`): that dimension,
+        with ``dp_replicate`` before it when plain data parallel replicates (HSDP over one-rank
+        shards); None without it."""
+        if (self.device_mesh is None or self.dims.dp_shard != 1
+                or "dp_shard" not in (self.device_mesh.mesh_dim_names or ())):
+            return None
+        if self.dims.dp_replicate > 1:
+            return self.device_mesh["dp_replicate", "dp_shard"]
+        return self.device_mesh["dp_shard"]
 
     def submesh(self, name: str):
         """The sub-mesh for axis ``name`` (a mesh or flattened axis), or None if its degree is 1."""

@@ -78,7 +78,12 @@ def parallelize(
     if compile:
         apply_compile(model)
     kind = mesh_layout(pmesh, cfg).data_parallel
-    if kind in (DataParallelKind.FSDP, DataParallelKind.HSDP):
+    single_rank = pmesh.param_shard_mesh() if gather_dtype is not None else None
+    if single_rank is not None and kind in (DataParallelKind.NONE, DataParallelKind.DDP):
+        from densetrain.parallel.fsdp import apply_fsdp
+
+        apply_fsdp(model, single_rank, cpu_offload=cfg.cpu_offload, param_dtype=gather_dtype)
+    elif kind in (DataParallelKind.FSDP, DataParallelKind.HSDP):
         from densetrain.parallel.fsdp import apply_fsdp
 
         shard_axis = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
@@ -99,12 +104,32 @@ def parallelize(
 def fsdp_gather_dtype(cfg: ParallelConfig, compute_dtype: torch.dtype | None
                       ) -> torch.dtype | None:
     """The dtype FSDP gathers parameters in for a run computing in ``compute_dtype`` (autocast's
-    dtype; None or fp32: no autocast): that dtype under ``fsdp_param_dtype = "compute"`` (each
+    dtype; None or fp32: no autocast): that dtype under ``param_dtype = "compute"`` (each
     matmul would cast the fp32 parameter to it anyway, so only the all-gather and the gathered
     copy shrink), else None (fp32)."""
-    if cfg.fsdp_param_dtype != "compute" or compute_dtype in (None, torch.float32):
+    if cfg.param_dtype != "compute" or compute_dtype in (None, torch.float32):
         return None
     return compute_dtype
+
+
+def single_rank_fsdp(cfg: ParallelConfig, dims: ParallelDims,
+                     compute_dtype: torch.dtype | None) -> bool:
+    """Whether a layout without sharded data parallelism computes in bf16 copies of fp32
+    master weights through FSDP2 over a one-rank shard group (``parallel.param_dtype``).
+
+    Tensor or pipeline parallel alone and plain data parallel (the ``none`` and ``ddp``
+    data-parallel kinds on more than one rank) under a bf16 ``compute_dtype``: FSDP2's mixed
+    precision is the library's bf16-compute/fp32-master split (the sharded fp32 parameter is
+    the optimizer's, the unsharded copy is made in bf16 and freed after use, gradients are
+    reduced and accumulated in fp32), and on a one-rank group its all-gather and
+    reduce-scatter are local copies. So the residual stream, the tensor-parallel collectives
+    and the pipeline sends are bf16 (with fp32 parameters under autocast they are fp32),
+    and plain data parallel becomes HSDP over one-rank shards: an fp32 all-reduce over the
+    replicas, as DDP's. One process has no process group and keeps autocast."""
+    kind = DataParallelKind.of(dp_replicate=dims.dp_replicate, fsdp_size=dims.fsdp_size,
+                               zero_stage=cfg.zero_stage)
+    return (dims.world_size > 1 and kind in (DataParallelKind.NONE, DataParallelKind.DDP)
+            and fsdp_gather_dtype(cfg, compute_dtype) is not None)
 
 
 def build_optimizer(

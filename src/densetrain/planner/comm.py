@@ -9,7 +9,8 @@ device sends with ring collectives: all-reduce 2(n-1)/n x size, all-gather and r
 - TP (Megatron, Shoeybi et al. 2019): per layer and microbatch two all-reduces in forward and
   two in backward of the b·s·h activations (sequence parallel swaps each for an all-gather plus a
   reduce-scatter, the same bytes); full recompute repeats the forward's two; plus the
-  vocab-parallel embedding's forward all-reduce and the output's backward all-reduce; the
+  vocab-parallel embedding's forward all-reduce and the output's backward all-reduce, on the
+  stages that hold them (``stage_ends`` of `memory.memory_columns`); the
   backward's recompute repeats some of the forward's (`_tp_recompute_calls`).
 - DP/FSDP: stage 0 all-reduces gradients once a step; stage 1 reduce-scatters them and
   all-gathers the updated parameters; stage 2 reduce-scatters every microbatch; stage 3
@@ -75,7 +76,7 @@ def comm_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, settings: 
     out = {}
 
     per_layer = TP_CALLS_PER_LAYER + _tp_recompute_calls(cols, settings)
-    n_tp = (layers * per_layer + 2.0) * m * (tp > 1)
+    n_tp = (layers * per_layer + mem["stage_ends"]) * m * (tp > 1)
     bw, lat = link(cluster, tp, act)
     out["tp_bytes"] = n_tp * ring_factor(tp, "all_reduce") * act
     out["tp_s"] = out["tp_bytes"] / bw + n_tp * lat * 2 * np.ceil(np.log2(np.maximum(tp, 2)))

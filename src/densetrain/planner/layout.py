@@ -175,6 +175,15 @@ class PlanSettings:
     its backward: ``b s h`` elements of the residual stream's dtype per chunk in flight (False:
     Megatron-LM, which frees the output's data once sent). Found by the dry run of Llama 3 405B
     (docs/planner.md)."""
+    single_rank_fsdp: bool = False
+    """A layout without sharded data parallelism (dp_shard x cp = 1) computes in bf16 copies of
+    fp32 parameters made by FSDP2 over a one-rank shard group (the trainer's
+    ``parallel.param_dtype = "compute"`` on tensor, pipeline or plain data parallel,
+    `parallel.parallelize.single_rank_fsdp`): the residual stream is in the gathered dtype and
+    FSDP's per-layer buffers (and a pipeline stage's gathered parameters) are held as under
+    ZeRO-3, with no data-parallel traffic beyond plain data parallel's fp32 all-reduce. False:
+    such a layout computes with its parameters' own dtype (autocast over fp32, or the
+    ``bf16-mixed`` precision's bf16 parameters)."""
     pp_keeps_stage_unsharded: bool = True
     """ZeRO-3 under pipeline parallel as torch's schedule runs it: the backward of every
     microbatch but the last keeps the stage's parameters gathered (no reshard after backward,

@@ -239,9 +239,11 @@ def memory_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layo
     )
     microbatches = global_batch // (cols.dp * cols.micro_batch_size)
     local_seq = seq_len / cols.cp
-    # FSDP (stage 3, shard > 1) gathers parameters in ``gather_bytes``: the embedding it gathers
-    # sets the residual stream's dtype, and so that of the stages' outputs and receive buffers.
-    fsdp = (cols.zero_stage == 3) & (cols.dp_shard > 1)
+    # FSDP (stage 3, shard > 1, or over one rank: ``single_rank_fsdp``) gathers parameters in
+    # ``gather_bytes``: the embedding it gathers sets the residual stream's dtype, and so that
+    # of the stages' outputs and receive buffers.
+    fsdp = ((cols.zero_stage == 3) & (cols.dp_shard > 1)) | (
+        settings.single_rank_fsdp & (cols.dp_shard * cols.cp == 1))
     stream_bytes = np.where(fsdp, gather_bytes, p_bytes)
     kwargs = dict(stream_bytes=stream_bytes, seq_len=local_seq,
                   micro_batch=cols.micro_batch_size, tp=cols.tp,
@@ -273,6 +275,7 @@ def memory_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layo
     buffers = np.where(fsdp, layer_params * (2 * gather_bytes + g_bytes), 0.0)
     buffers = buffers + settings.workspace_gb * 1e9
     buffers = buffers + recv
+    grads_in_step = grads
     if settings.pp_keeps_stage_unsharded:
         # the stage's gradients accumulate unsharded (in the gradients' dtype) from the first
         # microbatch's backward to the last (``pp_accumulates_unsharded_grads``; else each
@@ -307,14 +310,34 @@ def memory_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layo
             gathered_bytes = stage_gathered + in_backward
         buffers = np.where(whole_stage, gathered_bytes + grads_held
                            + settings.workspace_gb * 1e9 + recv, buffers)
+        if accumulating:
+            # the sharded gradients are made by the last microbatch's reduce-scatter, layer
+            # by layer as the unsharded ones are freed: until then the stage holds only the
+            # unsharded ones (``grads_held``), the same bytes under a one-rank shard group
+            grads_in_step = np.where(whole_stage, 0.0, grads)
     # The optimizer step: the model states, the pipeline's receive buffers (kept for the
     # schedule's life) and the step's temporaries (torch's foreach AdamW makes fp32 lists the
     # size of the rank's parameters).
     step = params + grads + optim + recv + settings.optimizer_step_temporaries * (
         params * 4 / p_bytes)
-    total = np.maximum(params + grads + optim + activations + head + buffers, step)
+    total = np.maximum(params + grads_in_step + optim + activations + head + buffers, step)
     return {"params": params, "grads": grads, "optimizer": optim, "activations": activations,
             "head": head, "buffers": buffers, "optimizer_step": step, "total": total,
             "stage_params": stage_params, "layer_params": layer_params,
             "stage_layers": stage_layers.astype(np.float64),
-            "microbatches": microbatches.astype(np.float64)}
+            "microbatches": microbatches.astype(np.float64),
+            "stage_ends": stage_ends(cols, pp_rank)}
+
+
+def stage_ends(cols: LayoutColumns, pp_rank: int | None) -> np.ndarray:
+    """How many of the model's two ends (the token embedding, the output head) pipeline rank
+    ``pp_rank``'s stages hold: both without a pipeline and on ZB-V's rank 0 (its V holds the
+    first and the last stage), else the first on rank 0 and the last on rank pp - 1. With no
+    rank named (the planner's step time) both, an upper bound for any stage."""
+    if pp_rank is None:
+        return np.full(len(cols), 2.0)
+    rank = np.asarray(pp_rank)
+    zbv = cols.pp_schedule == PP_SCHEDULES.index("zbv")
+    ends = np.where(zbv, 2.0 * (rank == 0),
+                    (rank == 0).astype(np.float64) + (rank == cols.pp - 1))
+    return np.broadcast_to(ends, (len(cols),)).astype(np.float64)

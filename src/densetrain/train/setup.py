@@ -26,6 +26,7 @@ from densetrain.models.config import ModelConfig
 from densetrain.models.sizing import ParamCounts
 from densetrain.optim.interface import TrainingOptimizer
 from densetrain.parallel.compile import check_cpu_compiler
+from densetrain.parallel.layout_check import ResolvedLayout
 from densetrain.parallel.mesh import ParallelMesh
 from densetrain.parallel.model import LaidOutModel
 from densetrain.train.device import autocast_factory, resolve_device, tune_cpu_threads
@@ -55,6 +56,22 @@ def _init_distributed(job: JobConfig) -> tuple[int, int, int]:
         device_type="cuda" if device_type == "cuda" else "cpu",
     )
     return info.rank, info.world_size, info.local_rank
+
+
+def run_layout(job: JobConfig, model_cfg: ModelConfig, world_size: int) -> ResolvedLayout:
+    """The `ResolvedLayout` of a (checked, resolved) job training ``model_cfg`` on
+    ``world_size`` ranks: what the run and its dry run attach to their mesh."""
+    from densetrain.parallel.config import computes_in_bf16_params
+    from densetrain.parallel.layout_check import resolve_layout
+
+    training = job.training
+    return resolve_layout(
+        job.parallel, model_cfg, world_size=world_size, seq_len=job.data.seq_len,
+        global_batch_size=training.global_batch_size,
+        micro_batch_size=training.micro_batch_size, compile=training.compile,
+        document_masking=job.data.document_masking,
+        batch_ramp=job.schedule.batch_ramp_start > 0, float8=training.dtype == "float8",
+        bf16_params=computes_in_bf16_params(job.parallel, training.dtype))
 
 
 def _build_optimizer(model: LaidOutModel, pmesh: ParallelMesh, job: JobConfig
@@ -161,8 +178,8 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
     from densetrain.optim import build_lr_scheduler
     from densetrain.parallel.build import build_model
     from densetrain.parallel.distributed import env_world_size
-    from densetrain.parallel.layout_check import resolve_layout
     from densetrain.parallel.mesh import ParallelDims
+    from densetrain.parallel.parallelize import single_rank_fsdp
 
     # The run's one check with the real world size (the layout rules of
     # parallel.layout_check included), before any process group; the parts are built from the
@@ -177,24 +194,20 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
         check_cpu_compiler()
     allocator_note = tune_host_allocator(job.training.host_allocator, device.type)
     threads_note = tune_cpu_threads(device.type)  # before the peak probe, which uses them
-    pmesh = dims.build_mesh(device.type)
+    compute_dtype = torch.bfloat16 if job.training.dtype == "bf16" else None
+    pmesh = dims.build_mesh(device.type, single_rank_shard=single_rank_fsdp(
+        job.parallel, dims, compute_dtype))
     data = build_data(job.data, dp_rank=pmesh.dp_rank, dp_size=dims.dp_size)
     model_cfg: ModelConfig = job.build_model_config(data.tokenizer.vocab_size)
     seed_everything(job.training.seed)
     training = job.training
     # The run's one resolved layout, checked with the real model; every builder reads it.
-    pmesh = pmesh.with_layout(resolve_layout(
-        job.parallel, model_cfg, world_size=dims.world_size, seq_len=job.data.seq_len,
-        global_batch_size=training.global_batch_size,
-        micro_batch_size=training.micro_batch_size, compile=training.compile,
-        document_masking=job.data.document_masking,
-        batch_ramp=job.schedule.batch_ramp_start > 0, float8=training.dtype == "float8"),
-        model_cfg)
+    pmesh = pmesh.with_layout(run_layout(job, model_cfg, dims.world_size), model_cfg)
     model = build_model(
         model_cfg, job.parallel, pmesh, device=device, seed=training.seed,
         compile=training.compile, loss_chunk_size=training.loss_chunk_size,
         float8_recipe=training.float8_recipe if training.dtype == "float8" else "",
-        compute_dtype=torch.bfloat16 if training.dtype == "bf16" else None,
+        compute_dtype=compute_dtype,
     )
     if training.init_from:
         init_from(model.module, training.init_from)

@@ -18,8 +18,8 @@ from densetrain.models.config import RopeScaling
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 WORLD_SIZES = {"default.toml": 1, "gpt2-124m.toml": 8, "llama3-8b.toml": 8,
-               "gpt3-175b.toml": 64, "palm-8b.toml": 8, "llama3-70b.toml": 512,
-               "llama3-405b.toml": 8192}
+               "gpt3-175b.toml": 64, "megatron-175b-sp.toml": 64, "palm-8b.toml": 8,
+               "llama3-70b.toml": 512, "llama3-405b.toml": 8192}
 
 
 def test_default_toml_is_the_embedded_default():

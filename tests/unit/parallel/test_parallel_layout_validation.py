@@ -71,7 +71,7 @@ def test_kv_heads_fewer_than_tp_are_accepted(kv_heads):
         ("activation_checkpointing", "some", "parallel.activation_checkpointing must be one of"),
         ("pp_layer_split", [2, 0], "parallel.pp_layer_split must be a list of positive"),
         ("collective_timeout_s", 0, "parallel.collective_timeout_s must be > 0"),
-        ("fsdp_param_dtype", "fp16", r"parallel.fsdp_param_dtype must be one of \['compute', "
+        ("param_dtype", "fp16", r"parallel.param_dtype must be one of \['compute', "
          r"'fp32'\], got 'fp16'"),
     ],
 )

@@ -158,6 +158,19 @@ def test_layout_reasons_refuse_what_check_layout_refuses(par, model_kw, run, wor
     assert any(words in r for r in found), found
 
 
+@pytest.mark.parametrize("par", [dict(dp_replicate=2, pp=2), dict(dp_replicate=2, tp=2)])
+def test_replicas_compose_with_tp_and_pp_under_bf16_parameters(par):
+    # DDP does not compose with tp or pp; replicas of one-rank FSDP shards (the bf16-parameter
+    # path, `parallelize.single_rank_fsdp`) do, and the refusal says so
+    cfg, fields = model_cfg(), _unvalidated(**par)
+    world = fields.dp_replicate * fields.tp * fields.pp
+    refused = check_layout(fields, cfg, seq_len=16, global_batch_size=8, micro_batch_size=1,
+                           world_size=world)
+    assert any("runs with bf16 parameters only (training.dtype=bf16" in r for r in refused)
+    assert check_layout(fields, cfg, seq_len=16, global_batch_size=8, micro_batch_size=1,
+                        world_size=world, bf16_params=True) == []
+
+
 def test_a_mesh_carries_only_a_checked_layout_of_its_degrees():
     cfg = ParallelConfig()
     pmesh = ParallelDims.from_config(cfg, 1).build_mesh("cpu")

@@ -1,4 +1,4 @@
-"""FSDP gathers parameters in the compute dtype (``parallel.fsdp_param_dtype = "compute"``).
+"""FSDP gathers parameters in the compute dtype (``parallel.param_dtype = "compute"``).
 
 Two real gloo ranks (FSDP over dp_shard 2) train the tiny job under bf16 autocast: the layers
 see bf16 weights during forward (gathered in bf16) with "compute" and fp32 ones with "fp32",
@@ -54,7 +54,7 @@ def test_fsdp_gathers_in_the_compute_dtype(make_job, tiny_overrides, tmp_path, s
 
     overrides = tiny_overrides + COMMON + [
         f"--data.cache_dir={single.data.cache_dir}", f"--logging.run_dir={tmp_path / setting}",
-        "--parallel.dp_shard=2", f"--parallel.fsdp_param_dtype={setting}"]
+        "--parallel.dp_shard=2", f"--parallel.param_dtype={setting}"]
     results = run_distributed(_train_and_watch, 2, overrides, timeout=240)
     for result in results:
         assert result["forward"] == forward_dtype
