@@ -348,6 +348,10 @@ def _lean_stage_class():
         `_get_recv_ops` and the infrastructure setters (checked by
         tests/unit/parallel/test_pipeline_buffers.py).
 
+        A stage's output is freed once its send is issued (`get_fwd_send_ops`): torch keeps it
+        until the microbatch's backward, which needs only its autograd node (Megatron-LM's
+        ``deallocate_output_tensor``; 3.5 GiB on the second stage of the Llama 3 405B layout).
+
         ``reduce_every_microbatch`` (``parallel.pp_grad_reduce = "microbatch"``): an FSDP stage
         reduce-scatters its gradients after every microbatch's full backward, keeping its
         parameters gathered (torch's stage defers the reduction to the step's end and holds
@@ -402,6 +406,23 @@ def _lean_stage_class():
                     info.buffer = _make_tensor_from_meta(info.tensor_meta, self.device)
             return super()._get_recv_ops(recv_infos)
 
+        def get_fwd_send_ops(self, fwd_chunk_id: int):
+            # The stage's output is kept (in ``fwd_cache``) until its backward, which reads
+            # only its autograd node, not its values; the send ops carry a detached alias of
+            # the storage, which the transfer keeps alive until it completes. Megatron-LM
+            # frees the output's data once sent (``deallocate_output_tensor``): here its data
+            # becomes a same-shape zero-stride view of one element, so that the backward's
+            # shape checks still hold (a tensor another reference still reads is not
+            # affected: only this one's storage pointer changes).
+            ops = super().get_fwd_send_ops(fwd_chunk_id)
+            output_tuple, _ = self.fwd_cache[fwd_chunk_id]
+            for index, out in enumerate(output_tuple):
+                if any(dst is not None for dst in self.act_send_info[index]):
+                    for tensor in _releasable(out):
+                        tensor.data = torch.empty(
+                            (), dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
+            return ops
+
         def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
             output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
             if not self.has_backward:
@@ -415,6 +436,27 @@ def _lean_stage_class():
             return result
 
     return LeanPipelineStage
+
+
+def _releasable(tensor) -> list[torch.Tensor]:
+    """The tensors whose storage pointer to drop to release a sent stage output: a plain
+    tensor (not a DTensor) that autograd produced, with, when it is a view (a
+    sequence-parallel stage's gathered output is a view of its gather buffer,
+    `parallel.tensor._GatherSequence`), the base it covers whole, if that base is outside
+    autograd (so no backward saved it). Empty when the output does not qualify: it is then
+    kept."""
+    from torch.distributed.tensor import DTensor
+
+    if (not isinstance(tensor, torch.Tensor) or isinstance(tensor, DTensor)
+            or tensor.grad_fn is None):
+        return []
+    if not tensor._is_view():
+        return [tensor]
+    base = tensor._base
+    if (base is None or base.requires_grad or base._is_view() or base.numel() != tensor.numel()
+            or tensor.storage_offset() != 0 or isinstance(base, DTensor)):
+        return []
+    return [tensor, base]
 
 
 def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:

@@ -10,7 +10,8 @@ device sends with ring collectives: all-reduce 2(n-1)/n x size, all-gather and r
   two in backward of the b·s·h activations (sequence parallel swaps each for an all-gather plus a
   reduce-scatter, the same bytes); full recompute repeats the forward's two; plus the
   vocab-parallel embedding's forward all-reduce and the output's backward all-reduce, on the
-  stages that hold them (``stage_ends`` of `memory.memory_columns`); the
+  stages that hold them, and the gathers at a sequence-parallel pipeline's stage boundaries
+  (`_tp_stage_calls`); the
   backward's recompute repeats some of the forward's (`_tp_recompute_calls`).
 - DP/FSDP: stage 0 all-reduces gradients once a step; stage 1 reduce-scatters them and
   all-gathers the updated parameters; stage 2 reduce-scatters every microbatch; stage 3
@@ -76,7 +77,7 @@ def comm_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, settings: 
     out = {}
 
     per_layer = TP_CALLS_PER_LAYER + _tp_recompute_calls(cols, settings)
-    n_tp = (layers * per_layer + mem["stage_ends"]) * m * (tp > 1)
+    n_tp = (layers * per_layer + _tp_stage_calls(cfg, cols, mem)) * m * (tp > 1)
     bw, lat = link(cluster, tp, act)
     out["tp_bytes"] = n_tp * ring_factor(tp, "all_reduce") * act
     out["tp_s"] = out["tp_bytes"] / bw + n_tp * lat * 2 * np.ceil(np.log2(np.maximum(tp, 2)))
@@ -96,6 +97,23 @@ def comm_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, settings: 
 
     out.update(_dp_comm(cols, mem, cluster, settings, tp * cp, layers))
     return out
+
+
+def _tp_stage_calls(cfg: ModelConfig, cols: LayoutColumns, mem: dict[str, np.ndarray]
+                    ) -> np.ndarray:
+    """Tensor-parallel collectives (in all-reduce equivalents) per microbatch outside the
+    blocks: the vocab-parallel embedding's (one, on the stage that holds it) and the output
+    head's (one, on the last stage); under sequence parallelism the learned position table's
+    gradient gathered back to whole (half, on the embedding's stage), and at the pipeline's
+    stage boundaries the sent output gathered from its sequence shards (half per stage that
+    sends) and the received input's gradient (half per stage that receives). Traced by the dry
+    runs of Korthikanti et al.'s and Narayanan et al.'s layouts (docs/planner.md)."""
+    embedding, head = mem["stage_embedding"], mem["stage_head"]
+    sp = cols.sequence_parallel & (cols.tp > 1)
+    v = cols.pp_virtual_stages.astype(np.float64)
+    boundaries = np.where(sp & (cols.pp > 1), 0.5 * ((v - head) + (v - embedding)), 0.0)
+    positions = np.where(sp, 0.5 * embedding, 0.0) if cfg.position_embedding == "learned" else 0.0
+    return embedding + head + boundaries + positions
 
 
 def _tp_recompute_calls(cols: LayoutColumns, settings: PlanSettings) -> np.ndarray:
@@ -162,12 +180,15 @@ def _dp_comm(cols: LayoutColumns, mem: dict[str, np.ndarray], cluster: ClusterSp
     psi = mem["stage_params"]
     m = mem["microbatches"]
     stage = cols.zero_stage
-    shard, rep = cols.dp_shard.astype(np.float64), cols.dp_replicate.astype(np.float64)
-    dp = shard * rep
+    span, rep = cols.dp_shard.astype(np.float64), cols.dp_replicate.astype(np.float64)
+    # FSDP shards over dp_shard x cp (the context-parallel ranks hold the same weights; the
+    # trainer's ``dp_shard_cp`` group); the group spans tp x cp x dp_shard consecutive ranks
+    shard = span * cols.cp
+    dp = span * rep
     calls = np.maximum(layers, 1.0)  # one collective per layer's share, each with its latency
     unit = psi / calls
-    bw_shard, lat_shard = link(cluster, inner * shard, unit * gather_bytes)
-    bw_rep, lat_rep = link(cluster, inner * shard * rep, unit / shard * g_bytes)
+    bw_shard, lat_shard = link(cluster, inner * span, unit * gather_bytes)
+    bw_rep, lat_rep = link(cluster, inner * span * rep, unit / shard * g_bytes)
     bw_all, lat_all = link(cluster, inner * dp, unit * g_bytes)
     lat_steps = lambda n: calls * 2 * np.ceil(np.log2(np.maximum(n, 2)))  # noqa: E731
     # stage 0: one all-reduce of all gradients over dp.

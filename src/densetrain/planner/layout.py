@@ -169,11 +169,12 @@ class PlanSettings:
     buffer per transfer (the trainer's stages, `parallel.pipeline`, and Megatron-LM): the
     in-flight chunks' received inputs and the gradient being received. Found by the dry run of
     Llama 3 405B (docs/planner.md)."""
-    pp_holds_stage_outputs: bool = True
-    """Pipeline stages as the trainer runs them: the schedule keeps each in-flight microbatch's
-    stage output (whole-sequence under sequence parallel, which gathers it to send it) until
-    its backward: ``b s h`` elements of the residual stream's dtype per chunk in flight (False:
-    Megatron-LM, which frees the output's data once sent). Found by the dry run of Llama 3 405B
+    pp_holds_stage_outputs: bool = False
+    """True: torch's own pipeline stage, whose schedule keeps each in-flight microbatch's stage
+    output (whole-sequence under sequence parallel, which gathers it to send it) until its
+    backward: ``b s h`` elements of the residual stream's dtype per chunk in flight. False: the
+    output's data freed once sent (the trainer's stages, `parallel.pipeline`, and
+    Megatron-LM): only the send in flight holds one. Found by the dry run of Llama 3 405B
     (docs/planner.md)."""
     single_rank_fsdp: bool = False
     """A layout without sharded data parallelism (dp_shard x cp = 1) computes in bf16 copies of

@@ -175,7 +175,8 @@ def _pipeline_rank_memory(cols: LayoutColumns, settings: PlanSettings, per_layer
     whole-sequence: the first block keeps a view of it) until its backward, and a stage before
     the last holds the gradient it is receiving (one). torch's own stage keeps one activation
     and one gradient buffer per microbatch of the step (``pp_recv_buffer_per_microbatch``).
-    Each in-flight chunk's output is kept until its backward (``pp_holds_stage_outputs``)."""
+    A stage's output is freed once sent (only the send in flight holds one), or with
+    ``pp_holds_stage_outputs`` each in-flight chunk's is kept until its backward."""
     v, pp = cols.pp_virtual_stages, cols.pp
     layers_held = in_flight_layers(stage_layers, pp, cols.pp_schedule, v, microbatches,
                                    pp_rank=pp_rank)
@@ -184,9 +185,9 @@ def _pipeline_rank_memory(cols: LayoutColumns, settings: PlanSettings, per_layer
     rank = np.broadcast_to(np.asarray(pp_rank), pp.shape)
     first, last = rank == 0, rank == pp - 1
     chunks = layers_held / (stage_layers / v)  # chunks in flight
-    if settings.pp_holds_stage_outputs:
-        holds = piped & ~(last & (v == 1))  # a last stage ends in the loss, not an output
-        activations = activations + np.where(holds, chunks * hidden, 0.0)
+    holds = piped & ~(last & (v == 1))  # a last stage ends in the loss, not an output
+    outputs = chunks if settings.pp_holds_stage_outputs else np.minimum(chunks, 1.0)
+    activations = activations + np.where(holds, outputs * hidden, 0.0)
     # per transfer: the received inputs of the in-flight chunks (none on the first stage of a
     # rank without interleaving) and the gradient being received. Megatron-LM's scatter/gather
     # (``pp_scatter_gather``) receives 1/tp and gathers it into the first layer's input, which
@@ -234,15 +235,16 @@ def memory_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layo
     buffers)."""
     p_bytes, g_bytes, o_bytes, gather_bytes = settings.bytes_per_param
     stage_params, layer_params, stage_layers = stage_tables(cfg, cols, pp_rank)
+    # ZeRO shards over dp_shard x cp (FSDP's group; ZeRO-1/2 run with cp = 1)
     params, grads, optim = zero_model_state_bytes(
-        stage_params, cols.dp_shard, cols.zero_stage, p_bytes, g_bytes, o_bytes
+        stage_params, cols.dp_shard * cols.cp, cols.zero_stage, p_bytes, g_bytes, o_bytes
     )
     microbatches = global_batch // (cols.dp * cols.micro_batch_size)
     local_seq = seq_len / cols.cp
     # FSDP (stage 3, shard > 1, or over one rank: ``single_rank_fsdp``) gathers parameters in
     # ``gather_bytes``: the embedding it gathers sets the residual stream's dtype, and so that
     # of the stages' outputs and receive buffers.
-    fsdp = ((cols.zero_stage == 3) & (cols.dp_shard > 1)) | (
+    fsdp = ((cols.zero_stage == 3) & (cols.dp_shard * cols.cp > 1)) | (
         settings.single_rank_fsdp & (cols.dp_shard * cols.cp == 1))
     stream_bytes = np.where(fsdp, gather_bytes, p_bytes)
     kwargs = dict(stream_bytes=stream_bytes, seq_len=local_seq,
@@ -326,18 +328,19 @@ def memory_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layo
             "stage_params": stage_params, "layer_params": layer_params,
             "stage_layers": stage_layers.astype(np.float64),
             "microbatches": microbatches.astype(np.float64),
-            "stage_ends": stage_ends(cols, pp_rank)}
+            **dict(zip(("stage_embedding", "stage_head"), stage_ends(cols, pp_rank),
+                       strict=True))}
 
 
-def stage_ends(cols: LayoutColumns, pp_rank: int | None) -> np.ndarray:
-    """How many of the model's two ends (the token embedding, the output head) pipeline rank
-    ``pp_rank``'s stages hold: both without a pipeline and on ZB-V's rank 0 (its V holds the
-    first and the last stage), else the first on rank 0 and the last on rank pp - 1. With no
-    rank named (the planner's step time) both, an upper bound for any stage."""
+def stage_ends(cols: LayoutColumns, pp_rank: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Whether pipeline rank ``pp_rank``'s stages hold the token embedding (the first stage)
+    and the output head (the last): both without a pipeline and on ZB-V's rank 0 (its V holds
+    the first and the last stage), else the first on rank 0 and the last on rank pp - 1 (1.0
+    or 0.0 per row). With no rank named (the planner's step time) both, an upper bound."""
     if pp_rank is None:
-        return np.full(len(cols), 2.0)
-    rank = np.asarray(pp_rank)
+        return np.ones(len(cols)), np.ones(len(cols))
+    rank = np.broadcast_to(np.asarray(pp_rank), (len(cols),))
     zbv = cols.pp_schedule == PP_SCHEDULES.index("zbv")
-    ends = np.where(zbv, 2.0 * (rank == 0),
-                    (rank == 0).astype(np.float64) + (rank == cols.pp - 1))
-    return np.broadcast_to(ends, (len(cols),)).astype(np.float64)
+    first = (rank == 0).astype(np.float64)
+    last = np.where(zbv, rank == 0, rank == cols.pp - 1).astype(np.float64)
+    return first, last

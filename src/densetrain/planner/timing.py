@@ -56,7 +56,7 @@ def time_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layout
     tp_exposed = comm["tp_s"] * (1.0 - settings.tp_overlap)
     bubble = bubble_share(cols.pp_schedule, cols.pp, cols.pp_virtual_stages, m) * (
         compute + tp_exposed + cp_exposed)
-    opt_params = mem["stage_params"] / np.where(cols.zero_stage >= 1, cols.dp_shard, 1)
+    opt_params = mem["stage_params"] / np.where(cols.zero_stage >= 1, cols.dp_shard * cols.cp, 1)
     optimizer = opt_params * settings.optimizer_bytes_touched / cluster.hbm_bytes_per_s
     host = host_seconds(cols, mem, cluster)
     step = (compute + bubble + tp_exposed + comm["pp_s"] + cp_exposed + dp_exposed + optimizer
@@ -73,7 +73,7 @@ def time_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layout
 
 def host_seconds(cols: LayoutColumns, mem: dict[str, np.ndarray], cluster: ClusterSpec):
     """Host time per step on the busiest device (see the module docstring)."""
-    tp, fsdp = cols.tp > 1, (cols.zero_stage == 3) & (cols.dp_shard > 1)
+    tp, fsdp = cols.tp > 1, (cols.zero_stage == 3) & (cols.dp_shard * cols.cp > 1)
 
     def per_layer(plain: float, with_tp: float, with_fsdp: float):
         extra_tp = (with_tp or plain) - plain

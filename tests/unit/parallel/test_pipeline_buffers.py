@@ -69,3 +69,57 @@ def test_receive_buffers_live_per_transfer():
         # consumes each gradient at once (torch's stage: MICROBATCHES alive through the step)
         assert result["alive_max"] <= 2
         assert result["losses"][0] == result["losses"][1]
+
+
+SENT_MICROBATCHES = 8
+
+
+def _sent_outputs_alive(rank: int, world: int, tp: int) -> dict:
+    """One 1F1B step over ``world // tp`` stages; at every send of the first stage, how many of
+    its earlier sent outputs' storages are still alive."""
+    from densetrain.data import Batch
+    from densetrain.parallel.build import build_model
+    from densetrain.parallel.config import ParallelConfig
+    from densetrain.parallel.mesh import ParallelDims
+
+    pp = world // tp
+    cfg = ParallelConfig(pp=pp, tp=tp, dp_shard=1, pp_schedule="1f1b",
+                         pp_microbatches=SENT_MICROBATCHES)
+    pmesh = ParallelDims.from_config(cfg, world).build_mesh("cpu")
+    model_cfg = ModelConfig(vocab_size=97, dim=32, num_layers=pp, num_heads=4, num_kv_heads=2,
+                            ffn_dim=64, max_seq_len=16)
+    model = build_model(model_cfg, cfg, pmesh, device=torch.device("cpu"), seed=3,
+                        local_batch_size=SENT_MICROBATCHES, micro_batch_size=1)
+    stage = model.pipeline.schedule._stage
+    sent: list[weakref.ref] = []
+    alive_at_send: list[int] = []
+    original = stage.get_fwd_send_ops
+
+    def recording(chunk: int):
+        alive_at_send.append(sum(ref() is not None for ref in sent))
+        output = stage.fwd_cache[chunk][0][0]
+        storage = (output._base if output._is_view() else output).untyped_storage()
+        ops = original(chunk)
+        sent.append(weakref.ref(storage))
+        return ops
+
+    stage.get_fwd_send_ops = recording
+    tokens = torch.randint(0, 97, (SENT_MICROBATCHES, 9),
+                           generator=torch.Generator().manual_seed(5))
+    batch = model.prepare_batch(Batch(inputs=tokens[:, :-1].contiguous(),
+                                      targets=tokens[:, 1:].contiguous()), torch.device("cpu"))
+    model.forward_backward(batch, micro_batch_size=1, autocast=contextlib.nullcontext)
+    return {"first": model.pipeline.has_first_stage, "alive": alive_at_send}
+
+
+def test_sent_outputs_are_freed_once_sent():
+    # 8 stages: the first runs pp - 1 = 7 forwards before its first backward, and torch keeps
+    # each output until that microbatch's backward (7 alive at the eighth send); freed once
+    # sent, only the sends still in flight hold theirs (1F1B waits for a send one or two
+    # sends later). With tp 2 and sequence parallelism (4 stages, 3 outputs kept before) the
+    # output is the gathered sequence (`parallel.tensor._GatherSequence`).
+    for world, tp in ((8, 1), (8, 2)):
+        for result in run_distributed(_sent_outputs_alive, world, tp):
+            if result["first"]:
+                assert len(result["alive"]) == SENT_MICROBATCHES
+                assert max(result["alive"]) <= 2, (tp, result["alive"])
