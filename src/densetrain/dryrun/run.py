@@ -124,14 +124,12 @@ def _dry_run_resolved(job: JobConfig, world_size: int, rank: int) -> RankReport:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from densetrain.parallel.mesh import ParallelDims
-    from densetrain.parallel.parallelize import single_rank_fsdp
+    from densetrain.train.setup import run_mesh
 
     start = time.perf_counter()
     dims = ParallelDims.from_config(job.parallel, world_size)
     with fake_world(world_size, rank):
-        compute = torch.bfloat16 if job.training.dtype == "bf16" else None
-        pmesh = dims.build_mesh(  # real (small) rank tables, outside fake mode
-            "cpu", single_rank_shard=single_rank_fsdp(job.parallel, dims, compute))
+        pmesh = run_mesh(job, dims, "cpu")  # real (small) rank tables, outside fake mode
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         report = _traced_step(job, pmesh, rank, fake_mode)
     report.seconds = time.perf_counter() - start
@@ -141,7 +139,7 @@ def _dry_run_resolved(job: JobConfig, world_size: int, rank: int) -> RankReport:
 def _traced_step(job: JobConfig, pmesh, rank: int, fake_mode) -> RankReport:
     """Build the model and optimizer of this rank and trace one step (its tensors fake)."""
     from densetrain.parallel.build import build_model
-    from densetrain.train.setup import run_layout
+    from densetrain.train.setup import compute_dtype, run_layout
 
     dims, training, device = pmesh.dims, job.training, torch.device("cpu")
     model_cfg = job.build_model_config()
@@ -153,7 +151,7 @@ def _traced_step(job: JobConfig, pmesh, rank: int, fake_mode) -> RankReport:
         loss_chunk_size=training.loss_chunk_size, local_batch_size=local_batch,
         micro_batch_size=micro,
         float8_recipe=training.float8_recipe if training.dtype == "float8" else "",
-        compute_dtype=torch.bfloat16 if training.dtype == "bf16" else None,
+        compute_dtype=compute_dtype(job),
         materialize=lambda: fake_mode,
     )
     with fake_mode:
@@ -177,11 +175,10 @@ def _step(job: JobConfig, model, pmesh, rank: int) -> RankReport:
     from densetrain.data.stream import Batch
     from densetrain.parallel.mesh import MESH_AXES
     from densetrain.train.device import autocast_factory
-    from densetrain.train.setup import _bf16_if_float8, _build_optimizer, run_layout
+    from densetrain.train.setup import _bf16_if_float8, _build_optimizer
 
     dims, training, device = pmesh.dims, job.training, torch.device("cpu")
     model_cfg = job.build_model_config()
-    pmesh = pmesh.with_layout(run_layout(job, model_cfg, dims.world_size), model_cfg)
     local_batch = dims.local_batch_size(training.global_batch_size)
     micro = training.micro_batch_size
     optimizer = _build_optimizer(model, pmesh, _optimizer_as_on_device(job, notes := []))

@@ -27,7 +27,7 @@ from densetrain.models.sizing import ParamCounts
 from densetrain.optim.interface import TrainingOptimizer
 from densetrain.parallel.compile import check_cpu_compiler
 from densetrain.parallel.layout_check import ResolvedLayout
-from densetrain.parallel.mesh import ParallelMesh
+from densetrain.parallel.mesh import ParallelDims, ParallelMesh
 from densetrain.parallel.model import LaidOutModel
 from densetrain.train.device import autocast_factory, resolve_device, tune_cpu_threads
 from densetrain.train.fault_record import FaultRecord
@@ -56,6 +56,21 @@ def _init_distributed(job: JobConfig) -> tuple[int, int, int]:
         device_type="cuda" if device_type == "cuda" else "cpu",
     )
     return info.rank, info.world_size, info.local_rank
+
+
+def compute_dtype(job: JobConfig) -> torch.dtype | None:
+    """Autocast's dtype for the job (bf16, or None: none)."""
+    return torch.bfloat16 if job.training.dtype == "bf16" else None
+
+
+def run_mesh(job: JobConfig, dims: ParallelDims, device_type: str) -> ParallelMesh:
+    """The mesh of a job's degrees, with the size-1 ``dp_shard`` dimension where its bf16
+    parameters run FSDP over one-rank shards (`parallelize.single_rank_fsdp`): what the run and
+    its dry run build."""
+    from densetrain.parallel.parallelize import single_rank_fsdp
+
+    return dims.build_mesh(device_type, single_rank_shard=single_rank_fsdp(
+        job.parallel, dims, compute_dtype(job)))
 
 
 def run_layout(job: JobConfig, model_cfg: ModelConfig, world_size: int) -> ResolvedLayout:
@@ -178,9 +193,6 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
     from densetrain.optim import build_lr_scheduler
     from densetrain.parallel.build import build_model
     from densetrain.parallel.distributed import env_world_size
-    from densetrain.parallel.mesh import ParallelDims
-    from densetrain.parallel.parallelize import single_rank_fsdp
-
     # The run's one check with the real world size (the layout rules of
     # parallel.layout_check included), before any process group; the parts are built from the
     # resolved copy (derived fields filled), which is also the config saved for a resume.
@@ -194,9 +206,7 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
         check_cpu_compiler()
     allocator_note = tune_host_allocator(job.training.host_allocator, device.type)
     threads_note = tune_cpu_threads(device.type)  # before the peak probe, which uses them
-    compute_dtype = torch.bfloat16 if job.training.dtype == "bf16" else None
-    pmesh = dims.build_mesh(device.type, single_rank_shard=single_rank_fsdp(
-        job.parallel, dims, compute_dtype))
+    pmesh = run_mesh(job, dims, device.type)
     data = build_data(job.data, dp_rank=pmesh.dp_rank, dp_size=dims.dp_size)
     model_cfg: ModelConfig = job.build_model_config(data.tokenizer.vocab_size)
     seed_everything(job.training.seed)
@@ -207,7 +217,7 @@ def build_run(job: JobConfig) -> tuple[RunParts, Progress]:
         model_cfg, job.parallel, pmesh, device=device, seed=training.seed,
         compile=training.compile, loss_chunk_size=training.loss_chunk_size,
         float8_recipe=training.float8_recipe if training.dtype == "float8" else "",
-        compute_dtype=compute_dtype,
+        compute_dtype=compute_dtype(job),
     )
     if training.init_from:
         init_from(model.module, training.init_from)
