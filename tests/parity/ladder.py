@@ -35,6 +35,32 @@ ARCHITECTURES: dict[str, dict] = {
         qkv_bias=True, attn_out_bias=True, activation="gelu_tanh", mlp_bias=True,
         tie_embeddings=True,
     ),
+    # GPT-NeoX (models/presets/neox.py): parallel attention + MLP with two LayerNorms, partial
+    # rotary, GELU, biases, untied
+    "neox": dict(
+        norm_type="layernorm", norm_bias=True, rotary_fraction=0.25, qkv_bias=True,
+        attn_out_bias=True, activation="gelu_tanh", mlp_bias=True, block_type="parallel",
+    ),
+    # PaLM (models/presets/palm.py): parallel block with one shared LayerNorm (no bias),
+    # multi-query attention, SwiGLU, tied embeddings
+    "palm": dict(
+        num_kv_heads=1, norm_type="layernorm", norm_bias=False, block_type="parallel",
+        parallel_shared_norm=True, tie_embeddings=True,
+    ),
+    # phi-1 (models/presets/phi.py): parallel block with a shared norm, biases, a biased head
+    "phi": dict(
+        num_kv_heads=4, norm_type="layernorm", norm_bias=True, rotary_fraction=0.5,
+        qkv_bias=True, attn_out_bias=True, activation="gelu_tanh", mlp_bias=True,
+        block_type="parallel", parallel_shared_norm=True, lm_head_bias=True,
+    ),
+    # BLOOM (models/presets/bloom.py): ALiBi, a LayerNorm after the embedding, tied
+    "bloom": dict(
+        num_kv_heads=4, norm_type="layernorm", norm_bias=True, position_embedding="alibi",
+        embedding_norm=True, qkv_bias=True, attn_out_bias=True, activation="gelu_tanh",
+        mlp_bias=True, tie_embeddings=True,
+    ),
+    # Qwen3 (models/presets/qwen3.py): QK-RMSNorm per head, GQA
+    "qwen3": dict(qk_norm=True),
 }
 """The architectures the ladder's tiny model comes in (``architecture=``, a layout's ``_arch``)."""
 
@@ -59,6 +85,18 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return data[:, :-1], data[:, 1:]
 
 
+DOC_END_BELOW = 10
+"""With ``docs``, a token id below this ends its document (about 1.6 documents end in each
+16-token sequence, so documents straddle the cp chunks)."""
+
+
+def document_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """Document ids [B, S] of ``tokens``: a fixed set of token ids (`DOC_END_BELOW`) ends a
+    document, as an EOS token does in packed pretraining data."""
+    ends = (tokens < DOC_END_BELOW).long()
+    return torch.cumsum(ends, dim=1) - ends
+
+
 def adamw(groups) -> torch.optim.Optimizer:
     """The optimizer every layout uses (fixed hyper-parameters, no foreach/fused variance)."""
     return torch.optim.AdamW(groups, lr=LR, weight_decay=0.1, betas=(0.9, 0.95), foreach=False)
@@ -80,9 +118,10 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def run_control(
     steps: int = STEPS, model_overrides: dict | None = None, clip: float = 0.0,
-    architecture: str = "llama",
+    architecture: str = "llama", docs: bool = False,
 ) -> dict:
-    """One process, no parallelism: the reference losses and final weights."""
+    """One process, no parallelism: the reference losses and final weights (with ``docs``,
+    attention masked per document of `document_ids` and positions restarting per document)."""
     torch.manual_seed(0)
     model = Transformer(tiny_model_config(architecture, **(model_overrides or {})))
     model.init_weights(seed=SEED)
@@ -90,7 +129,8 @@ def run_control(
     losses, norms = [], []
     for step in range(steps):
         tokens, targets = batch(step)
-        loss = cross_entropy_loss(model(tokens), targets).loss
+        docs_BS = document_ids(tokens) if docs else None
+        loss = cross_entropy_loss(model(tokens, document_ids_BS=docs_BS), targets).loss
         loss.backward()
         if clip:
             norms.append(torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip).item())
@@ -107,19 +147,26 @@ def _local_batch(pmesh: ParallelMesh, step: int):
     return tokens[start : start + local], targets[start : start + local]
 
 
-def _cp_local(pmesh: ParallelMesh, tokens, targets):
-    """This cp rank's slice of the sequence and its global positions (None without cp)."""
+def _cp_local(pmesh: ParallelMesh, tokens, targets, docs: bool = False):
+    """This cp rank's slice of the sequence, its global positions and its document ids (with
+    ``docs``; else None), as the trainer's ``prepare_batch`` gives them. Positions are None
+    without cp (the model derives them)."""
+    from densetrain.models.transformer import document_positions
+
     dims = pmesh.dims
+    docs_BS = document_ids(tokens) if docs else None
     if dims.cp == 1:
-        return tokens, targets, None
-    from densetrain.parallel.context import local_positions, shard_sequence
+        return tokens, targets, None, docs_BS
+    from densetrain.parallel.context import shard_sequence
 
     cp_rank = pmesh.local_rank("cp")
-    positions = local_positions(SEQ_LEN, cp_rank, dims.cp).unsqueeze(0)
+    index_1S = torch.arange(SEQ_LEN).unsqueeze(0)
+    positions = document_positions(docs_BS, index_1S).expand(tokens.shape[0], -1)
     return (
         shard_sequence(tokens, cp_rank, dims.cp),
         shard_sequence(targets, cp_rank, dims.cp),
-        positions.expand(tokens.shape[0], -1),
+        shard_sequence(positions, cp_rank, dims.cp),
+        None if docs_BS is None else shard_sequence(docs_BS, cp_rank, dims.cp),
     )
 
 
@@ -142,15 +189,18 @@ class LayoutRun:
     via_compute_loss: bool
     """Take the loss through the model's chunked head (the trainer's path), not full logits."""
     clip: float
+    docs: bool = False
+    """Mask attention per document (`document_ids`), positions restarting per document."""
 
 
 def require_runnable(cfg: ParallelConfig, model_cfg, dims: ParallelDims, *,
-                     micro_batch_size: int) -> None:
+                     micro_batch_size: int, document_masking: bool = False) -> None:
     """Refuse a layout the trainer would refuse (``parallel.layout_check``), as a job would."""
     from densetrain.parallel.layout_check import check_layout
 
     reasons = check_layout(cfg, model_cfg, seq_len=SEQ_LEN, global_batch_size=GLOBAL_BATCH,
-                           micro_batch_size=micro_batch_size, world_size=dims.world_size)
+                           micro_batch_size=micro_batch_size, world_size=dims.world_size,
+                           document_masking=document_masking)
     if reasons:
         raise ValueError(reasons[0])
 
@@ -160,16 +210,17 @@ def setup_layout(world: int, layout: dict, *, compile: bool = False) -> LayoutRu
     layout = dict(layout)
     via_compute_loss = layout.pop("_compute_loss", False)
     clip = layout.pop("_clip", 0.0)
+    docs = layout.pop("_docs", False)
     model_cfg = tiny_model_config(layout.pop("_arch", "llama"), **layout.pop("_model", {}))
     cfg = ParallelConfig(**layout)
     dims = ParallelDims.from_config(cfg, world)
-    require_runnable(cfg, model_cfg, dims, micro_batch_size=1)
+    require_runnable(cfg, model_cfg, dims, micro_batch_size=1, document_masking=docs)
     pmesh = dims.build_mesh("cpu")
     model = parallelize(Transformer(model_cfg), pmesh, cfg, compile=compile)
     init_weights(model, SEED)
     opt = build_optimizer(model, pmesh, cfg, adamw)
     return LayoutRun(pmesh=pmesh, model=model, opt=opt, via_compute_loss=via_compute_loss,
-                     clip=clip)
+                     clip=clip, docs=docs)
 
 
 def train_steps(run: LayoutRun, steps: range, memory_at: int = -1):
@@ -178,11 +229,13 @@ def train_steps(run: LayoutRun, steps: range, memory_at: int = -1):
     losses, memory = [], None
     for step in steps:
         tokens, targets = _local_batch(run.pmesh, step)
-        tokens, targets, positions = _cp_local(run.pmesh, tokens, targets)
+        tokens, targets, positions, docs = _cp_local(run.pmesh, tokens, targets, run.docs)
         if run.via_compute_loss:
-            loss = model.compute_loss(tokens, targets, positions_BS=positions, chunk_size=8).loss
+            loss = model.compute_loss(tokens, targets, positions_BS=positions,
+                                      document_ids_BS=docs, chunk_size=8).loss
         else:
-            loss = cross_entropy_loss(model(tokens, positions_BS=positions), targets).loss
+            loss = cross_entropy_loss(
+                model(tokens, positions_BS=positions, document_ids_BS=docs), targets).loss
         loss.backward()
         if step == memory_at:
             memory = rank_memory(model.parameters(), opt)
@@ -200,7 +253,8 @@ def run_layout(
     """Train the tiny model on ``layout`` (ParallelConfig fields, no pp) on this rank.
 
     Besides ParallelConfig fields a layout may hold ``_arch`` (a key of `ARCHITECTURES`),
-    ``_model`` (ModelConfig overrides), ``_compute_loss`` and ``_clip`` (see `LayoutRun`)."""
+    ``_model`` (ModelConfig overrides), ``_compute_loss``, ``_clip`` and ``_docs`` (see
+    `LayoutRun`)."""
     run = setup_layout(world, layout, compile=compile)
     start = time.perf_counter()
     losses, memory = train_steps(run, range(steps), memory_at=steps - 1)

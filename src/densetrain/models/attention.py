@@ -198,6 +198,10 @@ class Attention(nn.Module):
         self.relative = RelativePositionXL(config) if relative else None
         self.attention_fn: AttentionFn = self.relative.attend if relative else scaled_dot_product
         """The attention kernel (see `AttentionFn`); ``densetrain.parallel`` may replace it."""
+        self.head_start = 0
+        """The model's index of this module's first query head: tensor parallel leaves each rank
+        ``num_heads`` of them and sets it, so a per-head mask (ALiBi) is sliced to the rank's
+        heads."""
 
     def forward(
         self,
@@ -224,6 +228,8 @@ class Attention(nn.Module):
         v_BGTK = v_BSGK.transpose(1, 2)
         if kv_cache is not None:
             k_BGTK, v_BGTK = kv_cache.update(k_BGTK, v_BGTK)
+        if mask.mask is not None and mask.mask.shape[1] > self.num_heads:
+            mask = mask.for_heads(self.head_start, self.num_heads)
         out_BHSK = self.attention_fn(
             q_BHSK, k_BGTK, v_BGTK, mask,
             dropout_p=self.dropout if self.training else 0.0,

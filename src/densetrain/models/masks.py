@@ -9,7 +9,7 @@ Shape legend: B batch, H heads, Q query positions, T key positions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -17,15 +17,48 @@ from densetrain.models.positions import alibi_bias
 
 
 @dataclass(frozen=True)
+class MaskInputs:
+    """What a forward's mask is made of, for layouts whose attention sees other keys than the
+    module's own (context parallel gathers the keys of every cp rank and rebuilds the mask
+    from these).
+
+    ``positions_BQ`` are the queries' positions: the caller's ``positions_BS`` (global under
+    context parallel, restarting per document with document masking) or the sequence indices.
+    Within one document a position and an index differ by a constant, so distances, causality
+    and windows computed from either agree wherever the document mask allows attention.
+    """
+
+    positions_BQ: torch.Tensor
+    document_ids_BQ: torch.Tensor | None
+    sliding_window: int | None
+    alibi_slopes_H: torch.Tensor | None
+    """The slopes of every head of the model (a tensor-parallel rank uses its own slice)."""
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class AttentionMask:
     """How the attention of one forward is masked: ``is_causal`` (no tensor) or ``mask``.
 
     ``mask`` is boolean [B or 1, 1, Q, T] (True = may attend) or an additive float bias
-    [B, H, Q, T] (ALiBi, with -inf where attention is not allowed).
+    [B, H, Q, T] (ALiBi, with -inf where attention is not allowed). ``inputs`` (not compared)
+    say what the mask was built from (`MaskInputs`; None for KV-cache decoding), and
+    ``head_start`` which head of the model the bias's first head is (tensor parallel: a rank's
+    share of the heads, see `for_heads`).
     """
 
     is_causal: bool
     mask: torch.Tensor | None = None
+    inputs: MaskInputs | None = field(default=None, compare=False)
+    head_start: int = field(default=0, compare=False)
+
+    def for_heads(self, start: int, count: int) -> AttentionMask:
+        """This mask for the ``count`` heads from head ``start`` of the model (a per-head bias is
+        sliced; a mask shared by every head is kept)."""
+        mask = self.mask
+        if mask is not None and mask.shape[1] > 1:
+            mask = mask[:, start : start + count]
+        return replace(self, mask=mask, head_start=self.head_start + start)
 
 
 def build_attention_mask(

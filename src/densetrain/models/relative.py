@@ -71,6 +71,10 @@ class HeadBias(nn.Module):
         super().__init__()
         self.bias = nn.Parameter(torch.zeros(width))
 
+    def forward(self) -> torch.Tensor:
+        """The vector [H·K] (tensor parallel returns this rank's heads' slice)."""
+        return self.bias
+
 
 class RelativePositionXL(nn.Module):
     """Parameters of one layer's relative attention (W_R, u, v) and its `AttentionFn`
@@ -88,17 +92,35 @@ class RelativePositionXL(nn.Module):
         self.position_bias = HeadBias(config.q_dim)
         """v: the query-independent bias of the position score v·W_R R_{i-j}."""
 
+    def _distance_scores(self, q_BHSK: torch.Tensor, distances_M: torch.Tensor) -> torch.Tensor:
+        """(q_i + v)·W_R R_r for every query i and each distance r of ``distances_M``:
+        [B, H, S, M] in q's dtype."""
+        heads, k_dim = self.num_heads, self.head_dim
+        weight_dtype = self.pos_proj.weight.dtype
+        sinusoids_MD = relative_sinusoids(distances_M, self.dim, weight_dtype).to(weight_dtype)
+        pos_keys_HMK = self.pos_proj(sinusoids_MD).view(-1, heads, k_dim).transpose(0, 1)
+        v_1H1K = self.position_bias().view(1, heads, 1, k_dim).to(q_BHSK.dtype)
+        return torch.matmul(q_BHSK + v_1H1K, pos_keys_HMK.to(q_BHSK.dtype).mT)
+
     def position_scores(self, q_BHSK: torch.Tensor, num_keys: int) -> torch.Tensor:
         """(q_i + v)·W_R R_{i-j} for every query i and key j, [B, H, S, T] in q's dtype
         (entries of keys after the query are not meaningful)."""
-        heads, k_dim = self.num_heads, self.head_dim
         distances_T = torch.arange(num_keys - 1, -1, -1, device=q_BHSK.device)
-        weight_dtype = self.pos_proj.weight.dtype
-        sinusoids_TD = relative_sinusoids(distances_T, self.dim, weight_dtype).to(weight_dtype)
-        pos_keys_HTK = self.pos_proj(sinusoids_TD).view(num_keys, heads, k_dim).transpose(0, 1)
-        v_1H1K = self.position_bias.bias.view(1, heads, 1, k_dim).to(q_BHSK.dtype)
-        scores_BHSM = torch.matmul(q_BHSK + v_1H1K, pos_keys_HTK.to(q_BHSK.dtype).mT)
-        return relative_shift(scores_BHSM)
+        return relative_shift(self._distance_scores(q_BHSK, distances_T))
+
+    def position_scores_at(self, q_BHSK: torch.Tensor, distances_BST: torch.Tensor,
+                           num_distances: int) -> torch.Tensor:
+        """(q_i + v)·W_R R_{i-j} for queries and keys that are not contiguous (context parallel
+        holds two chunks of the sequence): ``distances_BST`` ([B or 1, S, T]) gives i - j per
+        pair, [B, H, S, T] in q's dtype. Scores are computed for distances 0 .. num_distances-1
+        and picked per pair, since the relative shift needs contiguous queries; pairs outside
+        that range (keys after the query) are not meaningful and must be masked."""
+        distances_M = torch.arange(num_distances, device=q_BHSK.device)
+        scores_BHSM = self._distance_scores(q_BHSK, distances_M)
+        batch, heads, seq, _ = scores_BHSM.shape
+        index_BHST = distances_BST.clamp(0, num_distances - 1).unsqueeze(1).expand(
+            batch, heads, seq, distances_BST.shape[-1])
+        return scores_BHSM.gather(-1, index_BHST)
 
     def attend(
         self,
@@ -114,14 +136,31 @@ class RelativePositionXL(nn.Module):
         seq, keys = q_BHSK.shape[2], k_BGTK.shape[2]
         if mask.mask is not None and mask.mask.dtype != torch.bool:
             raise ValueError("relative_xl attention takes a boolean mask, not an additive bias")
-        bias_BHST = self.position_scores(q_BHSK, keys) * self.head_dim**-0.5
+        bias_BHST = self.position_scores(q_BHSK, keys)
         if mask.is_causal:
             q_index_S1 = torch.arange(keys - seq, keys, device=q_BHSK.device).unsqueeze(-1)
             allowed = torch.arange(keys, device=q_BHSK.device) <= q_index_S1
         else:
             allowed = mask.mask
-        bias_BHST = bias_BHST.masked_fill(~allowed, float("-inf"))
-        u_1H1K = self.content_bias.bias.view(1, self.num_heads, 1, self.head_dim)
+        return self.attend_scored(q_BHSK, k_BGTK, v_BGTK, bias_BHST, allowed,
+                                  dropout_p=dropout_p, enable_gqa=enable_gqa)
+
+    def attend_scored(
+        self,
+        q_BHSK: torch.Tensor,
+        k_BGTK: torch.Tensor,
+        v_BGTK: torch.Tensor,
+        position_scores_BHST: torch.Tensor,
+        allowed_B1ST: torch.Tensor,
+        *,
+        dropout_p: float,
+        enable_gqa: bool,
+    ) -> torch.Tensor:
+        """softmax(((q+u)·k + position scores) / sqrt(K)) @ v where ``allowed_B1ST`` (boolean)
+        allows: the part of `attend` after the position scores, shared with context parallel."""
+        bias_BHST = position_scores_BHST * self.head_dim**-0.5
+        bias_BHST = bias_BHST.masked_fill(~allowed_B1ST, float("-inf"))
+        u_1H1K = self.content_bias().view(1, self.num_heads, 1, self.head_dim)
         return F.scaled_dot_product_attention(
             q_BHSK + u_1H1K.to(q_BHSK.dtype),
             k_BGTK,

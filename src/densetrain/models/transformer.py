@@ -24,8 +24,9 @@ Parameter names are the contract HF interop, tensor-parallel plans and checkpoin
 ``loss_chunk_size``, never the full logits); the loss is part of ``forward`` so that FSDP2 and
 DDP hooks see it. The model never looks at its layout: ``densetrain.parallel`` sets its public
 strategy points, ``Transformer.loss_head`` (a ``LossHead``), ``Transformer.compile_loss_kernel``,
-``TokenEmbedding.lookup`` (an ``EmbeddingLookup``) and ``Attention.attention_fn`` (an
-``AttentionFn``; default ``scaled_dot_product``).
+``TokenEmbedding.lookup`` (an ``EmbeddingLookup``), ``TransformerBlock.join_branches`` (a
+``JoinBranches``) and ``Attention.attention_fn`` (an ``AttentionFn``; default
+``scaled_dot_product``).
 ``init_weights(seed, *, write=None)`` gives each value of a parameter from (seed, name, its index
 in the full tensor) (``models/init.py``), so every layout and pipeline stage starts
 bit-identical; a parallelised model passes a ``write`` that draws only the rank's own shard.
@@ -54,7 +55,7 @@ from densetrain.models.config import ModelConfig
 from densetrain.models.init import seeded_normal
 from densetrain.models.linear import Linear, linear
 from densetrain.models.loss import LossOutput, chunked_lm_loss, cross_entropy_loss
-from densetrain.models.masks import AttentionMask, build_attention_mask
+from densetrain.models.masks import AttentionMask, MaskInputs, build_attention_mask
 from densetrain.models.mlp import MLP
 from densetrain.models.norms import build_norm
 from densetrain.models.positions import alibi_slopes, rope_cos_sin
@@ -80,6 +81,10 @@ class TransformerBlock(nn.Module):
         shared = self.parallel and config.parallel_shared_norm
         self.mlp_norm = None if shared else build_norm(config)
         self.mlp = MLP(config)
+        self.join_branches: JoinBranches = join_branches
+        """How a parallel block adds its two branches to the residual stream (a public strategy
+        point, `JoinBranches`): tensor parallel sets one that reduces both branches' partial
+        sums in one collective."""
 
     def _drop(self, x_BSD: torch.Tensor) -> torch.Tensor:
         if self.dropout > 0 and self.training:
@@ -99,7 +104,8 @@ class TransformerBlock(nn.Module):
             attn_in_BSD = self.attn_norm(x_BSD)
             mlp_in_BSD = attn_in_BSD if self.mlp_norm is None else self.mlp_norm(x_BSD)
             attn_BSD = self.attn(attn_in_BSD, rope=rope, mask=mask, kv_cache=kv_cache)
-            return x_BSD + self._drop(attn_BSD) + self._drop(self.mlp(mlp_in_BSD))
+            mlp_BSD = self.mlp(mlp_in_BSD)
+            return self.join_branches(x_BSD, self._drop(attn_BSD), self._drop(mlp_BSD))
         if self.post_norm:
             attn_BSD = self.attn(x_BSD, rope=rope, mask=mask, kv_cache=kv_cache)
             h_BSD = self.attn_norm(x_BSD + self._drop(attn_BSD))
@@ -107,6 +113,17 @@ class TransformerBlock(nn.Module):
         attn_BSD = self.attn(self.attn_norm(x_BSD), rope=rope, mask=mask, kv_cache=kv_cache)
         h_BSD = x_BSD + self._drop(attn_BSD)
         return h_BSD + self._drop(self.mlp(self.mlp_norm(h_BSD)))
+
+
+JoinBranches = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``join(x_BSD, attn_BSD, mlp_BSD)``: a parallel block's output from its input and the outputs
+of its attention and MLP branches."""
+
+
+def join_branches(x_BSD: torch.Tensor, attn_BSD: torch.Tensor, mlp_BSD: torch.Tensor
+                  ) -> torch.Tensor:
+    """The default `JoinBranches`: ``x + attn + mlp`` (GPT-J, GPT-NeoX, PaLM)."""
+    return x_BSD + attn_BSD + mlp_BSD
 
 
 EmbeddingLookup = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -229,7 +246,7 @@ class Transformer(nn.Module):
         device = tokens_BS.device
         index_1S = torch.arange(seq, device=device).unsqueeze(0)
         if positions_BS is None:
-            positions_BS = _document_positions(document_ids_BS, index_1S)
+            positions_BS = document_positions(document_ids_BS, index_1S)
         h_BSD = self._embed(tokens_BS, positions_BS)
         rope = None
         if self.config.position_embedding == "rope":
@@ -283,10 +300,15 @@ class Transformer(nn.Module):
                 alibi_slopes_H=slopes_H,
                 dtype=dtype,
             )
+        # The window is kept in the inputs even when it covers this sequence: under context
+        # parallel the module sees a share of a longer one.
+        inputs = MaskInputs(positions_BQ=positions_BS, document_ids_BQ=document_ids_BS,
+                            sliding_window=cfg.sliding_window, alibi_slopes_H=slopes_H,
+                            dtype=dtype)
         window_applies = cfg.sliding_window is not None and cfg.sliding_window < seq
         if slopes_H is None and document_ids_BS is None and not window_applies:
-            return AttentionMask(is_causal=True)
-        return build_attention_mask(
+            return AttentionMask(is_causal=True, inputs=inputs)
+        built = build_attention_mask(
             q_index_BQ=index_1S,
             k_index_BT=index_1S,
             sliding_window=cfg.sliding_window if window_applies else None,
@@ -295,6 +317,7 @@ class Transformer(nn.Module):
             alibi_slopes_H=slopes_H,
             dtype=dtype,
         )
+        return AttentionMask(is_causal=False, mask=built.mask, inputs=inputs)
 
     # ------------------------------------------------------------------ output and loss
     def output_weight(self) -> torch.Tensor:
@@ -433,10 +456,12 @@ def canonical_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
 
 
-def _document_positions(
+def document_positions(
     document_ids_BS: torch.Tensor | None, index_1S: torch.Tensor
 ) -> torch.Tensor:
-    """Positions 0..S-1, restarting at every change of document id when ids are given."""
+    """Positions 0..S-1, restarting at every change of document id when ids are given (what
+    ``forward`` uses without ``positions_BS``; context parallel computes them over the whole
+    sequence before sharding it)."""
     if document_ids_BS is None:
         return index_1S
     starts_BS = torch.ones_like(document_ids_BS, dtype=torch.bool)

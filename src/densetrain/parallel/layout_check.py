@@ -27,13 +27,12 @@ and where each comes from:
   ``pp_microbatches`` >= pp except for GPipe, ``pp_layer_split`` has pp x v entries summing to
   the layers, at most one stage per layer;
 - tensor parallel: tp divides the heads and the ffn width, tp divides the kv heads or is a
-  multiple of them; the plan covers pre-norm sequential blocks with a final norm, tied or untied
-  embeddings and learned positions (GPT-2/GPT-3), without qk-norm, embedding projections or an
-  embedding norm;
+  multiple of them; the plan covers pre-norm blocks, sequential or parallel, with a final norm,
+  tied or untied embeddings, learned, rotary, ALiBi or Transformer-XL positions, QK-norm and an
+  embedding norm, without embedding projections;
 - sequence parallel: the per-cp-rank sequence is a multiple of tp;
-- context parallel: the sequence is a multiple of 2 x cp (load-balanced chunks); attention is
-  plain causal (no ALiBi, no sliding window shorter than the sequence, no document masks);
-- Transformer-XL relative positions (``position_embedding="relative_xl"``): tp = cp = 1;
+- context parallel: the sequence is a multiple of 2 x cp (load-balanced chunks); ALiBi, sliding
+  windows, document masks and Transformer-XL relative positions are masked by global positions;
 - float8 training (``training.dtype=float8``): tp = 1 (no float8 tensor-parallel plans);
 - data parallel: ZeRO-1/2 only on pure data parallelism (dp_shard, no tp/pp/cp/dp_replicate);
   replicated DP without sharding (DDP) not with tp or pp;
@@ -161,41 +160,21 @@ def _microbatches(f: Any, r: RunShape) -> Any:
 def _tp_unsupported(m: Any) -> list[str]:
     """The model features the tensor-parallel plan does not cover (empty: all covered).
 
-    Covered besides the plain pre-norm block: tied embeddings (the vocab-parallel embedding is
-    the vocab-parallel head's weight, one DTensor, as Megatron-LM trained GPT-2) and learned
-    absolute positions (the table is replicated over tp; with sequence parallel each rank adds
-    its slice). Transformer-XL relative positions have their own rule below.
+    Covered besides the plain pre-norm block: parallel attention + MLP blocks (one reduction of
+    both branches), QK-norm on the local heads, the embedding norm, tied embeddings (the
+    vocab-parallel embedding is the vocab-parallel head's weight, one DTensor, as Megatron-LM
+    trained GPT-2) and learned absolute positions (the table is replicated over tp; with
+    sequence parallel each rank adds its slice). Transformer-XL relative positions have their
+    own rule below.
     """
     found = []
-    if m.block_type != "sequential" or m.norm_position != "pre":
-        found.append(f"block_type={m.block_type!r}, norm_position={m.norm_position!r} "
-                     "(pre-norm sequential blocks only)")
-    for flag in ("qk_norm", "embedding_norm"):
-        if getattr(m, flag):
-            found.append(f"{flag}=True")
+    if m.norm_position != "pre":
+        found.append(f"norm_position={m.norm_position!r} (pre-norm blocks only)")
     if m.embed_dim != m.dim:
         found.append(f"embed_dim={m.embed_dim} != dim={m.dim} (embedding projections)")
     if not m.final_norm:
         found.append("final_norm=False (the vocab-parallel head needs the final norm)")
     return found
-
-
-def _not_plain_causal(m: Any, r: RunShape) -> list[str]:
-    found = []
-    if m.position_embedding == "alibi":
-        found.append('position_embedding="alibi"')
-    if m.sliding_window is not None and m.sliding_window < r.seq_len:
-        found.append(f"sliding_window={m.sliding_window} < seq_len={r.seq_len}")
-    if r.document_masking:
-        found.append("data.document_masking=True")
-    return found
-
-
-def _relative_xl_sharded(f: Any, m: Any) -> Any:
-    """Transformer-XL relative attention (``models/relative.py``) on a layout that splits heads
-    (tp: the plan has no split of W_R, u, v) or the sequence (cp: ring attention replaces the
-    layer's attention function and would drop the position scores)."""
-    return ((f.tp > 1) | (f.cp > 1)) & (getattr(m, "position_embedding", None) == "relative_xl")
 
 
 def _rounds_ok(f: Any, r: RunShape) -> Any:
@@ -243,15 +222,6 @@ RULES: tuple[Rule, ...] = (
          lambda f, m, r: f"parallel.cp={f.cp} needs the sequence length {r.seq_len} to be a "
          f"multiple of 2 x cp = {2 * f.cp} (each cp rank holds two chunks that balance the "
          "causal mask)"),
-    Rule("cp_plain_causal",
-         lambda f, m, r: (f.cp > 1) & bool(_not_plain_causal(m, r)),
-         lambda f, m, r: f"parallel.cp={f.cp} supports the plain causal mask only; this run has "
-         + "; ".join(_not_plain_causal(m, r))),
-    Rule("relative_xl_without_tp_cp",
-         lambda f, m, r: _relative_xl_sharded(f, m),
-         lambda f, m, r: f"parallel.tp={f.tp}, cp={f.cp}: model.position_embedding="
-         '"relative_xl" runs with tp=1 and cp=1 only (tensor and context parallel have no '
-         "plan for its position projection and position scores); use dp_shard or pp"),
     Rule("float8_without_tp",
          lambda f, m, r: (f.tp > 1) & r.float8,
          lambda f, m, r: f"parallel.tp={f.tp}: training.dtype=float8 runs with tp=1 only (the "

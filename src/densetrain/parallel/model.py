@@ -133,27 +133,30 @@ class LaidOutModel(abc.ABC):
 
     def prepare_batch(self, batch: Any, device: torch.device) -> Any:
         """``batch`` on ``device``; with context parallel, this rank's load-balanced share of
-        every sequence (`parallel.context.shard_sequence`) with its global positions."""
+        every sequence (`parallel.context.shard_sequence`) with its global positions (restarting
+        per document) and document ids."""
         moved = {k: (_to_device(v, device) if isinstance(v, torch.Tensor) else v)
                  for k, v in vars(batch).items()}
         batch = type(batch)(**moved)
         if self.cp_size == 1:
             return batch
+        from densetrain.models.transformer import document_positions
         from densetrain.parallel.context import shard_sequence
 
-        if batch.document_ids is not None:
-            raise UserError(f"parallel.cp={self.cp_size} supports the plain causal mask only; "
-                            "turn off document masking in the data config")
         cp, cp_rank = self.cp_size, self.pmesh.local_rank("cp")
         rows, seq_len = batch.inputs.shape
         positions_BS = batch.positions
         if positions_BS is None:
-            positions_BS = torch.arange(seq_len, device=device).expand(rows, seq_len)
+            # Over the whole sequence: a document's positions restart where it starts, which
+            # may be on another cp rank.
+            index_1S = torch.arange(seq_len, device=device).unsqueeze(0)
+            positions_BS = document_positions(batch.document_ids, index_1S).expand(rows, seq_len)
+        docs_BS = batch.document_ids
         return type(batch)(
             inputs=shard_sequence(batch.inputs, cp_rank, cp),
             targets=shard_sequence(batch.targets, cp_rank, cp),
             positions=shard_sequence(positions_BS, cp_rank, cp),
-            document_ids=None,
+            document_ids=None if docs_BS is None else shard_sequence(docs_BS, cp_rank, cp),
         )
 
     # ------------------------------------------------------------------ training

@@ -203,21 +203,96 @@ class _TiedVocabParallelHead(ParallelStyle):
 def _block_plan(block: nn.Module, tp: int, sequence_parallel: bool, kv_ways: int) -> dict:
     seq_layout = Shard(1) if sequence_parallel else Replicate()
     plan = _attention_plan(block.attn, tp, sequence_parallel, kv_ways)
-    plan["attn"] = PrepareModuleInput(
-        input_layouts=(seq_layout,), desired_input_layouts=(Replicate(),), use_local_output=False,
-    )
-    plan["mlp"] = PrepareModuleInput(
-        input_layouts=(seq_layout,), desired_input_layouts=(Replicate(),), use_local_output=False,
-    )
     plan["mlp.w_up"] = ColwiseParallel()
     plan["mlp.w_down"] = RowwiseParallel(output_layouts=seq_layout)
     if getattr(block.mlp, "w_gate", None) is not None:
         plan["mlp.w_gate"] = ColwiseParallel()
-    if sequence_parallel:
-        plan["attn_norm"] = SequenceParallel(use_local_output=True)
-        if getattr(block, "mlp_norm", None) is not None:
-            plan["mlp_norm"] = SequenceParallel(use_local_output=True)
+    if block.attn.q_norm is not None:
+        # QK-norm (Qwen3): per-head norms on the rank's own heads [B, S, H/tp, K], the heads
+        # dimension sharded; the weight [K] is replicated and its gradient a partial sum over
+        # the tp ranks' heads, which DTensor reduces as for a sequence-parallel norm
+        for name in ("attn.q_norm", "attn.k_norm"):
+            plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if block.attn.relative is not None:
+        # Transformer-XL relative positions split with the heads: W_R column-wise (each rank
+        # projects the sinusoids to its own heads' position keys), u and v by head
+        plan["attn.relative.pos_proj"] = ColwiseParallel()
+        plan["attn.relative.content_bias"] = _HeadShardedVector()
+        plan["attn.relative.position_bias"] = _HeadShardedVector()
+    shared_input = block.parallel and block.mlp_norm is None
+    if shared_input:
+        # One norm feeds both branches (PaLM, phi-1): its output leaves as one Replicate
+        # DTensor, gathered once from the sequence shards under sequence parallel; both
+        # branches read it, so backward sums their input gradients before the one reduction
+        # (reduce-scatter, or all-reduce without sequence parallel).
+        branch_input = Replicate()
+        plan["attn_norm"] = _GatheredOutput(sequence_parallel)
+    else:
+        branch_input = seq_layout
+        if sequence_parallel:
+            plan["attn_norm"] = SequenceParallel(use_local_output=True)
+            if block.mlp_norm is not None:
+                plan["mlp_norm"] = SequenceParallel(use_local_output=True)
+    for name in ("attn", "mlp"):
+        plan[name] = PrepareModuleInput(input_layouts=(branch_input,),
+                                        desired_input_layouts=(Replicate(),),
+                                        use_local_output=False)
+    if block.parallel and not block.dropout:
+        # Parallel blocks (GPT-J, GPT-NeoX, PaLM): the two branches' partial sums are added
+        # first and reduced together, one reduce-scatter (or all-reduce) per block instead of
+        # two. With dropout each branch is dropped on its own, after its own reduction.
+        for name in ("attn.wo", "mlp.w_down"):
+            plan[name] = RowwiseParallel(output_layouts=Partial(), use_local_output=False)
+        block.join_branches = functools.partial(_join_partial_branches, layout=seq_layout)
     return plan
+
+
+class _HeadShardedVector(ParallelStyle):
+    """A per-head vector [H·K] (`models.relative.HeadBias`: Transformer-XL's u and v) split with
+    the heads, Shard(0) over tp; the module returns this rank's slice, whose gradient is the
+    shard's own."""
+
+    @staticmethod
+    def _partition(name, module, mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            sharded = nn.Parameter(distribute_tensor(param.data, mesh, [Shard(0)]),
+                                   requires_grad=param.requires_grad)
+            module.register_parameter(pname, sharded)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._partition,
+                                 output_fn=lambda mod, output, mesh: output.to_local())
+
+
+class _GatheredOutput(ParallelStyle):
+    """A norm whose output leaves as one Replicate DTensor: run on the sequence shard and
+    all-gathered under sequence parallel (torch's ``SequenceParallel`` for the parameters and
+    input), else run whole on every rank with plain parameters. The branches reading it then
+    share one gradient, reduced once."""
+
+    def __init__(self, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if self.sequence_parallel:
+            module = SequenceParallel(use_local_output=False)._apply(module, device_mesh)
+
+        def gathered(mod, inputs, output):
+            if isinstance(output, DTensor):
+                return output.redistribute(device_mesh, [Replicate()])
+            return DTensor.from_local(output, device_mesh, [Replicate()], run_check=False)
+
+        module.register_forward_hook(gathered)
+        return module
+
+
+def _join_partial_branches(x_BSD: torch.Tensor, attn_BSD: DTensor, mlp_BSD: DTensor, *,
+                           layout) -> torch.Tensor:
+    """A tensor-parallel parallel block's `JoinBranches`: the branches' partial sums (Partial
+    DTensors) added, reduced once into the residual stream's ``layout`` and added to it."""
+    both = attn_BSD + mlp_BSD
+    return x_BSD + both.redistribute(both.device_mesh, [layout]).to_local()
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool,
@@ -247,6 +322,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool,
         top_plan["tok_embeddings"] = _VocabParallelEmbedding(seq_layout)
         if getattr(model, "pos_embeddings", None) is not None:
             top_plan["pos_embeddings"] = _ReplicatedPositions(seq_layout)
+        if getattr(model, "embed_norm", None) is not None and sequence_parallel:
+            # BLOOM's embedding LayerNorm, on the sequence shard like the blocks' norms
+            top_plan["embed_norm"] = SequenceParallel(use_local_output=True)
     if model.output is not None:
         # ``Transformer.logits`` applies the head with F.linear on ``output_weight()``, so only
         # the weight layout matters here; the final norm hands it a DTensor.
@@ -271,6 +349,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool,
         attn = block.attn
         attn.num_heads //= tp
         attn.num_kv_heads = max(attn.num_kv_heads // tp, 1)
+        # wq's column-wise split gives rank r the r-th block of heads: a per-head mask (ALiBi)
+        # is sliced to them
+        attn.head_start = tp_mesh.get_local_rank() * attn.num_heads
+        if attn.relative is not None:
+            attn.relative.num_heads //= tp
     _add_stage_io_hooks(model, tp_mesh, sequence_parallel)
     if model.output is not None:
         model.loss_head = vocab_parallel_loss_head

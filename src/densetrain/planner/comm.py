@@ -8,11 +8,11 @@ device sends with ring collectives: all-reduce 2(n-1)/n x size, all-gather and r
 
 - TP (Megatron, Shoeybi et al. 2019): per layer and microbatch two all-reduces in forward and
   two in backward of the b·s·h activations (sequence parallel swaps each for an all-gather plus a
-  reduce-scatter, the same bytes); full recompute repeats the forward's two; plus the
-  vocab-parallel embedding's forward all-reduce and the output's backward all-reduce, on the
-  stages that hold them, and the gathers at a sequence-parallel pipeline's stage boundaries
-  (`_tp_stage_calls`); the
-  backward's recompute repeats some of the forward's (`_tp_recompute_calls`).
+  reduce-scatter, the same bytes), fewer for parallel blocks (`tp_block_calls`); full
+  recompute repeats the forward's; plus the vocab-parallel embedding's forward all-reduce and
+  the output's backward all-reduce, on the stages that hold them, and the gathers at a
+  sequence-parallel pipeline's stage boundaries (`_tp_stage_calls`); the backward's recompute
+  repeats some of the forward's (`_tp_recompute_calls`).
 - DP/FSDP: stage 0 all-reduces gradients once a step; stage 1 reduce-scatters them and
   all-gathers the updated parameters; stage 2 reduce-scatters every microbatch; stage 3
   all-gathers parameters in forward and in backward and reduce-scatters gradients every
@@ -76,7 +76,8 @@ def comm_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, settings: 
     act = cols.micro_batch_size * (seq_len / cp) * cfg.dim * e  # one b·s·h activation
     out = {}
 
-    per_layer = TP_CALLS_PER_LAYER + _tp_recompute_calls(cols, settings)
+    per_layer = tp_block_calls(cfg, cols.sequence_parallel) + _tp_recompute_calls(cfg, cols,
+                                                                                   settings)
     n_tp = (layers * per_layer + _tp_stage_calls(cfg, cols, mem)) * m * (tp > 1)
     bw, lat = link(cluster, tp, act)
     out["tp_bytes"] = n_tp * ring_factor(tp, "all_reduce") * act
@@ -116,7 +117,33 @@ def _tp_stage_calls(cfg: ModelConfig, cols: LayoutColumns, mem: dict[str, np.nda
     return embedding + head + boundaries + positions
 
 
-def _tp_recompute_calls(cols: LayoutColumns, settings: PlanSettings) -> np.ndarray:
+def _parallel_block(cfg: ModelConfig) -> tuple[bool, bool]:
+    """(whether ``cfg``'s blocks are parallel attention + MLP blocks whose branches are reduced
+    together, whether one norm feeds both branches)."""
+    joined = cfg.block_type == "parallel" and not cfg.dropout
+    return joined, cfg.block_type == "parallel" and cfg.parallel_shared_norm
+
+
+def tp_block_calls(cfg: ModelConfig, sequence_parallel) -> np.ndarray:
+    """Tensor-parallel collectives (in all-reduce equivalents) per layer and microbatch, forward
+    and backward (`parallel.tensor`). A sequential block: two all-reduces each way (under
+    sequence parallelism each is an all-gather plus a reduce-scatter of the same bytes), 4.
+    A parallel block (GPT-J, NeoX, PaLM) reduces the sum of its branches' partial sums once:
+    with one shared norm its input is gathered once and its gradient reduced once, 2 (1 + 1);
+    with two norms (NeoX) each branch's input is gathered and its gradient reduced, 3 (1 + 2,
+    or 1.5 + 1.5 under sequence parallelism). With dropout each branch is dropped after its
+    own reduction, one more all-reduce equivalent."""
+    sp = np.asarray(sequence_parallel, dtype=bool)
+    joined, shared = _parallel_block(cfg)
+    if cfg.block_type != "parallel":
+        calls = 4.0
+    else:
+        calls = (2.0 if shared else 3.0) + (0.0 if joined else 1.0)
+    return np.full(sp.shape, calls)
+
+
+def _tp_recompute_calls(cfg: ModelConfig, cols: LayoutColumns, settings: PlanSettings
+                        ) -> np.ndarray:
     """Tensor-parallel collectives (in all-reduce equivalents) the backward's recompute repeats
     per layer and microbatch. Megatron-LM's full recompute re-runs the layer forward, its two
     all-reduces. torch's checkpoint as the trainer runs it stops once the tensors backward needs
@@ -126,12 +153,22 @@ def _tp_recompute_calls(cols: LayoutColumns, settings: PlanSettings) -> np.ndarr
     parallelism; `parallel.checkpointing`) keeps the reduced attention output and gathers the
     two normed sequence shards again in backward, as Megatron-LM's sequence parallelism does:
     two all-gathers (1.0) under sequence parallelism, nothing without it."""
-    early = np.where(cols.sequence_parallel, 1.5, 1.0)
-    full = early if settings.checkpoint_early_stop else np.full(len(cols), 2.0)
-    # the block policy ("none" and "selective" alike) re-gathers the two normed shards
-    regathered = cols.sequence_parallel & (cols.tp > 1) & settings.selective_keeps_matmul_outputs
+    sp = cols.sequence_parallel
+    joined, shared = _parallel_block(cfg)
+    gathers = 0.5 if shared else 1.0  # the normed shards a block gathers, 0.5 each
+    if cfg.block_type != "parallel":
+        early, forward = np.where(sp, 1.5, 1.0), np.full(len(cols), 2.0)
+    else:
+        # a parallel block's forward: its gathers, then its reduction(s); the early stop leaves
+        # out the last reduction
+        reductions = 1.0 if joined else 2.0
+        forward = np.where(sp, gathers + 0.5 * reductions, reductions)
+        early = np.where(sp, gathers + 0.5 * (reductions - 1), reductions - 1)
+    full = early if settings.checkpoint_early_stop else forward
+    # the block policy ("none" and "selective" alike) re-gathers the normed shards
+    regathered = sp & (cols.tp > 1) & settings.selective_keeps_matmul_outputs
     return np.where(cols.activation_checkpointing == _FULL, full,
-                    np.where(regathered, 1.0, 0.0))
+                    np.where(regathered, gathers, 0.0))
 
 
 def fsdp_calls_per_step(cols: LayoutColumns, mem: dict[str, np.ndarray],

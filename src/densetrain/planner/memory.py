@@ -67,8 +67,8 @@ def layer_activation_bytes(cfg: ModelConfig, *, seq_len, micro_batch, tp, sequen
     sbh = s * b * cfg.dim
     mask = 1.0 if dropout else 0.0
     # Replicated across tp unless sequence parallel: norm inputs, normed inputs of the qkv and
-    # first mlp linears, residual dropout masks.
-    num_norms = 1 if cfg.parallel_shared_norm else 2
+    # first mlp linears, residual dropout masks. A parallel block's norms both read its input.
+    num_norms = 1 if cfg.block_type == "parallel" else 2
     num_linear_inputs = 1 if cfg.parallel_shared_norm else 2
     replicated = sbh * (e * (num_norms + num_linear_inputs) + 2 * mask)
     # Split by tp: q and k (for QK^T), v, the wo input, the mlp activation's inputs/outputs.
@@ -103,9 +103,10 @@ def selective_matmul_bytes(cfg: ModelConfig, *, s, b, t, e, kv_ways, sp=True,
     parts: the norms and the MLP activation recomputed) keeps per layer beyond the layer's
     input: q, k and v; the attention output and its fp32 log-sum-exp per query and head; the
     MLP's up (and gate) projections; and the reduced attention output (the MLP norm's input: a
-    sequence shard under sequence parallelism). The row-parallel matmuls' own outputs are never
-    kept. Without a fused attention kernel the attention scores (a batched matmul's output,
-    s x s per head) are kept in place of the log-sum-exp. Traced per layer at real size
+    sequence shard under sequence parallelism; a parallel block's joined reduction feeds only
+    the residual add and is not kept). The row-parallel matmuls' own outputs are never kept.
+    Without a fused attention kernel the attention scores (a batched matmul's output, s x s per
+    head) are kept in place of the log-sum-exp. Traced per layer at real size
     (tests/unit/dryrun/test_layer_memory.py)."""
     sb = s * b
     attention = sb * e * (2 * cfg.q_dim / t + 2 * cfg.kv_dim / kv_ways)
@@ -113,6 +114,8 @@ def selective_matmul_bytes(cfg: ModelConfig, *, s, b, t, e, kv_ways, sp=True,
     attention = attention + core
     up = (2 if cfg.activation == "swiglu" else 1) * sb * e * cfg.ffn_dim / t
     reduced = np.where(sp, sb * e * cfg.dim / t, sb * e * cfg.dim)
+    if cfg.block_type == "parallel" and not cfg.dropout:
+        reduced = 0.0  # the branches are reduced together, read by the residual add alone
     return attention + up + reduced
 
 

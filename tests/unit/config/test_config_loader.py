@@ -19,7 +19,9 @@ from densetrain.models.config import RopeScaling
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 WORLD_SIZES = {"default.toml": 1, "gpt2-124m.toml": 8, "llama3-8b.toml": 8,
                "gpt3-175b.toml": 64, "megatron-175b-sp.toml": 64, "palm-8b.toml": 8,
-               "llama3-70b.toml": 512, "llama3-405b.toml": 8192}
+               "llama3-70b.toml": 512, "llama3-405b.toml": 8192, "neox-20b.toml": 96,
+               "bloom-176b.toml": 384, "palm-540b.toml": 6144, "gopher-280b.toml": 4096,
+               "opt-175b.toml": 992}
 
 
 def test_default_toml_is_the_embedded_default():

@@ -9,7 +9,6 @@ published sizes (Rae et al. 2021 Table 1; Hoffmann et al. 2022 Table 4).
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ from densetrain.models.masks import AttentionMask
 from densetrain.models.presets import get_preset, list_presets
 from densetrain.models.sizing import param_counts
 from densetrain.models.transformer import Transformer
-from densetrain.parallel.layout_check import RULES, RunShape
 from densetrain.planner.params import sharded_params
 
 
@@ -271,26 +269,6 @@ def test_meta_model_of_the_large_presets_equals_sizing(name):
         model = Transformer(cfg)
     assert param_counts(cfg).total == sum(p.numel() for p in model.parameters())
     assert sharded_params(cfg, 1).total() == param_counts(cfg).total
-
-
-def _reasons(cfg: ModelConfig, **degrees) -> list[str]:
-    layout = dict(tp=1, cp=1, pp=1, dp=1, dp_shard=1, dp_replicate=1, zero_stage=3,
-                  sequence_parallel=False, pp_schedule="1f1b", pp_microbatches=0,
-                  pp_virtual_stages=1, micro_batch_size=1)
-    layout.update(degrees)
-    fields = SimpleNamespace(**layout)
-    run = RunShape(seq_len=32, global_batch_size=8, world_size=8)
-    return [rule.reason(fields, cfg, run) for rule in RULES if rule.name ==
-            "relative_xl_without_tp_cp" and rule.violated(fields, cfg, run)]
-
-
-def test_layout_refuses_tensor_and_context_parallel():
-    cfg = tiny_relative()
-    for degrees in ({"tp": 2}, {"cp": 2}):
-        (reason,) = _reasons(cfg, **degrees)
-        assert "relative_xl" in reason and "tp=1 and cp=1" in reason
-    assert _reasons(cfg, dp_shard=4, pp=2) == []
-    assert _reasons(tiny_relative(position_embedding="rope"), tp=2, cp=2) == []
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox", "opt", "bloom", "phi"])
