@@ -93,6 +93,10 @@ TWO_RANK = {
     "tp2_sp_embedding_norm": dict(tp=2, dp_shard=1, _arch="bloom",
                                   _model=dict(position_embedding="rope")),
 }
+# Every family's architecture on context parallel and on FSDP alone
+_FAMILIES = ("gpt2", "neox", "palm", "phi", "bloom", "qwen3")
+TWO_RANK.update({f"cp2_{arch}": dict(cp=2, dp_shard=1, _arch=arch) for arch in _FAMILIES})
+TWO_RANK.update({f"zero3_2_{arch}": dict(dp_shard=2, _arch=arch) for arch in _FAMILIES})
 FOUR_RANK = {
     "zero1_4": dict(dp_shard=4, zero_stage=1),
     "zero2_4": dict(dp_shard=4, zero_stage=2),
@@ -114,6 +118,7 @@ FOUR_RANK = {
     # PaLM's one kv head kept whole on all 4 tp ranks, its gradient summed over them
     "tp4_sp_palm": dict(tp=4, dp_shard=1, _arch="palm"),
     "fsdp2_tp2_qwen3": dict(dp_shard=2, tp=2, _arch="qwen3"),
+    **{f"cp2_tp2_{arch}": dict(cp=2, tp=2, dp_shard=1, _arch=arch) for arch in _FAMILIES},
 }
 
 _CONTROLS: dict = {}

@@ -167,6 +167,9 @@ PP_FAMILIES_2 = {
 PP_FAMILIES_4 = {
     f"pp2_tp2_{arch}": dict(pp=2, tp=2, dp_shard=1, pp_microbatches=2, _arch=arch)
     for arch in FAMILIES
+} | {
+    f"pp2_fsdp2_{arch}": dict(pp=2, dp_shard=2, pp_microbatches=2, _arch=arch)
+    for arch in FAMILIES
 }
 
 

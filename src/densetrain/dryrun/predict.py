@@ -5,7 +5,8 @@ fp32 AdamW moments, and all-gathers in bf16 where FSDP gathers in the bf16 compu
 (``parallel.param_dtype = "compute"``: the ``fsdp2-bf16`` precision of
 `planner.layout.PRECISIONS`; on a layout without sharded data parallelism FSDP over one rank,
 ``PlanSettings.single_rank_fsdp``), else in fp32 (``fp32``); activations in 2 bytes under bf16 or
-float8 autocast, 4 in fp32. The CUDA workspace (``PlanSettings.workspace_gb``), which no trace
+float8 autocast, 4 in fp32; attention as the CPU kernels the trace runs (without the fused
+kernel under dropout). The CUDA workspace (``PlanSettings.workspace_gb``), which no trace
 on the CPU can see, is left out of the prediction compared with the trace.
 """
 
@@ -46,6 +47,10 @@ def _layout_and_settings(job: JobConfig, world_size: int):
                             optimizer_step_temporaries=1.0 if foreach else 0.0,
                             pp_accumulates_unsharded_grads=par.pp_grad_reduce == "step",
                             single_rank_fsdp=single,
+                            # the trace runs the CPU's attention kernels, whose fused (flash)
+                            # kernel takes no dropout: with dropout attention is the explicit
+                            # softmax, its probabilities kept (CUDA's flash kernel drops out)
+                            flash_attention=not job.build_model_config().dropout,
                             workspace_gb=0.0)
     return layout, settings
 

@@ -164,8 +164,9 @@ def _tp_unsupported(m: Any) -> list[str]:
     both branches), QK-norm on the local heads, the embedding norm, tied embeddings (the
     vocab-parallel embedding is the vocab-parallel head's weight, one DTensor, as Megatron-LM
     trained GPT-2) and learned absolute positions (the table is replicated over tp; with
-    sequence parallel each rank adds its slice). Transformer-XL relative positions have their
-    own rule below.
+    sequence parallel each rank adds its slice), ALiBi (each rank its heads' slopes),
+    Transformer-XL relative positions (W_R column-wise, u and v split with the heads) and MQA
+    (the one kv head whole on every rank, rule ``tp_and_kv_heads``).
     """
     found = []
     if m.norm_position != "pre":

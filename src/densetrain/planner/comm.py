@@ -82,6 +82,16 @@ def comm_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, settings: 
     bw, lat = link(cluster, tp, act)
     out["tp_bytes"] = n_tp * ring_factor(tp, "all_reduce") * act
     out["tp_s"] = out["tp_bytes"] / bw + n_tp * lat * 2 * np.ceil(np.log2(np.maximum(tp, 2)))
+    # fewer kv heads than tp ranks (MQA, `parallel.tensor._ReplicatedKV`): each rank's wk and wv
+    # gradients, zero outside its kv head, are all-reduced over tp in every backward
+    kv_ways = kv_split(cfg.num_kv_heads, tp)
+    n_kv = np.where((tp > 1) & (kv_ways < tp), 2.0 * layers * m, 0.0)
+    kv_grad = (cfg.kv_dim * cfg.dim + (cfg.kv_dim if cfg.qkv_bias else 0)) * e
+    bw, lat = link(cluster, tp, kv_grad)
+    kv_bytes = n_kv * ring_factor(tp, "all_reduce") * kv_grad
+    out["tp_bytes"] = out["tp_bytes"] + kv_bytes
+    out["tp_s"] = out["tp_s"] + kv_bytes / bw + n_kv * lat * 2 * np.ceil(np.log2(np.maximum(tp,
+                                                                                          2)))
 
     kv_local = cfg.kv_dim / kv_split(cfg.num_kv_heads, tp)
     kv_chunk = 2 * cols.micro_batch_size * (seq_len / cp) * kv_local * e
@@ -164,7 +174,9 @@ def _tp_recompute_calls(cfg: ModelConfig, cols: LayoutColumns, settings: PlanSet
         reductions = 1.0 if joined else 2.0
         forward = np.where(sp, gathers + 0.5 * reductions, reductions)
         early = np.where(sp, gathers + 0.5 * (reductions - 1), reductions - 1)
-    full = early if settings.checkpoint_early_stop else forward
+    # residual dropout after the block's last reduction keeps a mask backward reads: the
+    # recompute runs to the block's end
+    full = early if settings.checkpoint_early_stop and not cfg.dropout else forward
     # the block policy ("none" and "selective" alike) re-gathers the normed shards
     regathered = sp & (cols.tp > 1) & settings.selective_keeps_matmul_outputs
     return np.where(cols.activation_checkpointing == _FULL, full,

@@ -275,6 +275,15 @@ def memory_columns(cfg: ModelConfig, seq_len: int, global_batch: int, cols: Layo
     head = np.where(cols.sequence_parallel, head / cols.tp, head)
     if not settings.chunked_loss:  # bf16 logits + fp32 logits and their gradient
         head = head + tokens * cfg.padded_vocab_size * (settings.activation_bytes + 8) / cols.tp
+    else:
+        # the chunked loss makes the head's weight gradient in its forward, summed over the
+        # chunks in fp32 ([P / tp, E]; `models.loss`, `parallel.loss`), held until backward
+        # starts: at the activation peak without a pipeline (the end of the forward); a last
+        # pipeline stage, one microbatch in flight, peaks later in its backward (traced:
+        # PaLM 540B's rank 0, Llama 3 405B's last stage)
+        _, holds_head = stage_ends(cols, pp_rank)
+        head = head + np.where(cols.pp == 1, holds_head, 0.0) * (
+            cfg.padded_vocab_size / cols.tp * cfg.embed_dim * 4.0)
     # FSDP: two layers gathered (current + prefetch) and one layer of unsharded gradients
     # waiting for reduce-scatter.
     buffers = np.where(fsdp, layer_params * (2 * gather_bytes + g_bytes), 0.0)

@@ -89,8 +89,8 @@ def sharded_params(cfg: ModelConfig, tp: int) -> ShardedParams:
     attn += dim * q_dim // tp + (dim if cfg.attn_out_bias else 0)
     if cfg.qk_norm:
         attn += 2 * cfg.head_dim
-    if cfg.position_embedding == "relative_xl":  # W_R, u, v; tp > 1 is refused by layout_check
-        attn += cfg.dim * cfg.q_dim + 2 * cfg.q_dim
+    if cfg.position_embedding == "relative_xl":  # W_R, u, v: split with the heads
+        attn += (cfg.dim * cfg.q_dim + 2 * cfg.q_dim) // tp
     num_up = 2 if cfg.activation == "swiglu" else 1
     mlp_bias = 1 if cfg.mlp_bias else 0
     mlp = num_up * (ffn * dim + mlp_bias * ffn) // tp + dim * ffn // tp + mlp_bias * dim

@@ -112,9 +112,19 @@ def test_groups_beyond_a_node_use_the_network():
     assert inside["tp_s"] == pytest.approx(
         inside["tp_bytes"] / (h100.intra_node_bytes_per_s * share)
         + collectives * h100.intra_node_latency_s * 2 * 3)
+    # tp 16 exceeds Llama 3 8B's 8 kv heads: wk and wv are replicated and their gradients
+    # all-reduced over tp in every backward, two [kv_dim, dim] bf16 payloads per layer
+    kv_payload = 1024 * 4096 * PlanSettings().activation_bytes
+    kv_share = h100.collective_efficiency * kv_payload / (kv_payload + h100.collective_half_bytes)
+    kv_calls = 4 * 2 * 32
+    kv_bytes = kv_calls * 2 * 15 / 16 * kv_payload
+    activation_bytes = collectives * 2 * 15 / 16 * payload
+    assert across["tp_bytes"] == pytest.approx(activation_bytes + kv_bytes)
     assert across["tp_s"] == pytest.approx(
-        across["tp_bytes"] / (h100.inter_node_bytes_per_s * share)
-        + collectives * h100.inter_node_latency_s * 2 * 4)
+        activation_bytes / (h100.inter_node_bytes_per_s * share)
+        + collectives * h100.inter_node_latency_s * 2 * 4
+        + kv_bytes / (h100.inter_node_bytes_per_s * kv_share)
+        + kv_calls * h100.inter_node_latency_s * 2 * 4)
 
 
 def test_a_collective_reaches_half_its_bandwidth_at_the_half_payload():
