@@ -43,6 +43,11 @@ PP_COMPOSED_8 = {"pp2_tp2_dp2": dict(pp=2, tp=2, dp_shard=2, pp_microbatches=2)}
 PP_REDUCE_EVERY = {
     "pp2_fsdp2_microbatch": dict(pp=2, dp_shard=2, pp_microbatches=4,
                                  pp_grad_reduce="microbatch"),
+    # and the stage kept gathered over the step (parallel.pp_reshard_after_forward = false),
+    # as Llama 3 trained
+    "pp2_fsdp2_microbatch_gathered": dict(pp=2, dp_shard=2, pp_microbatches=4,
+                                          pp_grad_reduce="microbatch",
+                                          pp_reshard_after_forward=False),
 }
 
 

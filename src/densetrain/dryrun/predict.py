@@ -46,6 +46,7 @@ def _layout_and_settings(job: JobConfig, world_size: int):
                             activation_bytes=4 if job.training.dtype == "fp32" else 2,
                             optimizer_step_temporaries=1.0 if foreach else 0.0,
                             pp_accumulates_unsharded_grads=par.pp_grad_reduce == "step",
+                            pp_reshards_after_forward=par.pp_reshard_after_forward,
                             single_rank_fsdp=single,
                             # the trace runs the CPU's attention kernels, whose fused (flash)
                             # kernel takes no dropout: with dropout attention is the explicit

@@ -88,6 +88,12 @@ class ParallelConfig:
     pipelined FSDP, Dubey et al. 2024 §3.3.2: the stage's whole fp32 gradients never held, m
     times the reduce-scatter traffic). Not with the zero-bubble schedules, which split a
     backward in two."""
+    pp_reshard_after_forward: bool = True
+    """With FSDP under a pipeline: whether each block's gathered parameters are freed after its
+    forward (gathered again by its backward, once per microbatch) or kept until the step's last
+    backward (Llama 3's pipelined FSDP, Dubey et al. 2024 §3.3.2: "we do not reshard after
+    forward computation", one all-gather per step for the stage's whole bf16 parameters held
+    over the step). Needs pp > 1."""
     pp_layer_split: list[int] = field(default_factory=list)
     """Layers per stage (sums to num_layers); empty means as balanced as possible."""
     activation_checkpointing: str = "none"
@@ -159,6 +165,11 @@ class ParallelConfig:
                 f'parallel.pp_grad_reduce="microbatch" runs with the gpipe, 1f1b and '
                 f'interleaved_1f1b schedules, not pp_schedule="{self.pp_schedule}" (it splits '
                 'each backward into input and weight gradients); use pp_grad_reduce="step"')
+        if not self.pp_reshard_after_forward and self.pp == 1:
+            raise UserError("parallel.pp_reshard_after_forward=false keeps a pipeline stage's "
+                            "parameters gathered between microbatches and needs pp > 1 (got "
+                            "pp=1); without a pipeline each block is gathered once per "
+                            "microbatch anyway")
         if not isinstance(self.ac_recompute, list):
             raise UserError("parallel.ac_recompute must be a list of block parts, e.g. "
                             f'["norms", "mlp_activation"], got {self.ac_recompute!r}')

@@ -82,7 +82,8 @@ def parallelize(
     if single_rank is not None and kind in (DataParallelKind.NONE, DataParallelKind.DDP):
         from densetrain.parallel.fsdp import apply_fsdp
 
-        apply_fsdp(model, single_rank, cpu_offload=cfg.cpu_offload, param_dtype=gather_dtype)
+        apply_fsdp(model, single_rank, cpu_offload=cfg.cpu_offload, param_dtype=gather_dtype,
+                   reshard_after_forward=cfg.pp_reshard_after_forward)
     elif kind in (DataParallelKind.FSDP, DataParallelKind.HSDP):
         from densetrain.parallel.fsdp import apply_fsdp
 
@@ -93,7 +94,8 @@ def parallelize(
             dp_mesh = pmesh.device_mesh[tuple(names)]
         else:
             dp_mesh = pmesh.submesh(shard_axis)
-        apply_fsdp(model, dp_mesh, cpu_offload=cfg.cpu_offload, param_dtype=gather_dtype)
+        apply_fsdp(model, dp_mesh, cpu_offload=cfg.cpu_offload, param_dtype=gather_dtype,
+                   reshard_after_forward=cfg.pp_reshard_after_forward)
     elif kind is DataParallelKind.DDP:
         from densetrain.parallel.ddp import apply_ddp
 

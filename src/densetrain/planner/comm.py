@@ -205,12 +205,17 @@ def fsdp_calls_per_step(cols: LayoutColumns, mem: dict[str, np.ndarray],
     two virtual stages over 10 microbatches), which the dry run reports as not compared.
     Gradients are reduced once, by the last microbatch's backward
     (``pp_accumulates_unsharded_grads``; False: every microbatch, Llama 3's own pipelined FSDP).
+    Without resharding after forward (``pp_reshards_after_forward`` False) a stage gathers once
+    a step.
     """
     m = mem["microbatches"]
     psi = np.maximum(mem["stage_params"], 1.0)
     piped = (cols.pp > 1) & settings.pp_keeps_stage_unsharded
     last_blocks = np.minimum(cols.pp_virtual_stages * mem["layer_params"], psi)
     gathers_piped = ((m + 1.0) * (psi - last_blocks) + last_blocks) / psi
+    if not settings.pp_reshards_after_forward:
+        # ``parallel.pp_reshard_after_forward = false``: the stage stays gathered over the step
+        gathers_piped = np.ones(len(cols))
     gathers = np.where(piped, gathers_piped, 2.0 * m)
     once = piped & settings.pp_accumulates_unsharded_grads
     # under the pipeline, the first forward's gathers stand for those of the warm-up forwards

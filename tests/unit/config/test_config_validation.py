@@ -34,6 +34,8 @@ def _job(*overrides: str) -> JobConfig:
     (["--schedule.name=wsd", "--schedule.decay_fraction=0.95"], r"wsd decay steps 285"),
     (["--schedule.min_lr_ratio=1.5"], r"schedule.min_lr_ratio must be in \[0, 1\]"),
     (["--checkpoint.interval=0"], r"checkpoint.interval must be 'auto' or an integer >= 1, got 0"),
+    (["--parallel.pp_reshard_after_forward=false"],
+     r"parallel.pp_reshard_after_forward=false .* needs pp > 1 \(got pp=1\)"),
     (["--model.preset=tiny-lama"], r"unknown model preset 'tiny-lama'.*tiny-llama"),
     (["--data.seq_len=512"], r"data.seq_len=512 exceeds the model's max_seq_len=256"),
     (["--schedule.batch_ramp_start=8", "--schedule.batch_ramp_tokens=9"],
