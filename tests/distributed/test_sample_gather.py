@@ -94,19 +94,23 @@ def _sample(rank: int, world: int) -> dict:
         is_main=rank == 0, model=model, model_cfg=tiny_config(), device=torch.device("cpu"),
         autocast=contextlib.nullcontext, pmesh=model.pmesh,
     )
+    greedy = evaluation.SampleSpec(max_new_tokens=NEW_TOKENS, temperature=0.0, top_k=0,
+                                   top_p=1.0, seed=0)
     err = io.StringIO()
     small = [("available host memory", 1024)]
     with mock.patch.object(evaluation, "available_memory", lambda device: small):
         with contextlib.redirect_stderr(err):
-            skipped = evaluation.sample_text(parts, "def ", NEW_TOKENS)
+            skipped = evaluation.sample_text(parts, PROMPT_IDS, greedy)
     dist.barrier()
-    sampled = evaluation.sample_text(parts, "def ", NEW_TOKENS)
+    sampled = evaluation.sample_text(parts, PROMPT_IDS, greedy)
     reference = Transformer(tiny_config())
     reference.init_weights(seed=SEED)
     reference.eval()
     out = generate(reference, torch.tensor([PROMPT_IDS]), NEW_TOKENS, eos_token_id=0)
+    new = out[0, len(PROMPT_IDS):].tolist()
+    new = new[:new.index(0)] if 0 in new else new  # the sample ends at EOS
     return {"skipped": skipped, "err": err.getvalue(), "sampled": sampled,
-            "expected": " ".join(map(str, out[0, len(PROMPT_IDS):].tolist())),
+            "expected": " ".join(map(str, new)),
             "needed": evaluation.full_model_bytes(parts)}
 
 

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from densetrain.cli.argtypes import count
+from densetrain.config.sections import SAMPLE_TEMPERATURE, SAMPLE_TOP_K, SAMPLE_TOP_P
 from densetrain.errors import MissingDependencyError, UserError
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -158,10 +159,13 @@ def _harness(args: argparse.Namespace) -> int:
 
 def _check_generate_args(args: argparse.Namespace) -> None:
     """The sampling flags' errors before the model loads: values out of range, and flags that
-    greedy decoding (``--temperature 0``, the default) would silently ignore."""
+    greedy decoding (``--temperature 0``) would silently ignore."""
     from densetrain.generate.sampling import check_sampling
 
-    check_sampling(args.temperature, args.top_k, args.top_p,
+    if args.top_k is not None and args.top_k < 0:
+        raise UserError(f"--top-k must be a positive integer, or 0 for no limit, "
+                        f"got {args.top_k}")
+    check_sampling(args.temperature, args.top_k or None, args.top_p,
                    names=("--temperature", "--top-k", "--top-p"))
     if args.num_samples < 1:
         raise UserError(f"--num-samples must be a positive integer, got {args.num_samples}")
@@ -173,10 +177,20 @@ def _check_generate_args(args: argparse.Namespace) -> None:
         if ignored:
             raise UserError(
                 f"{' and '.join(ignored)} {'needs' if len(ignored) == 1 else 'need'} sampling: "
-                "give --temperature > 0 (e.g. 0.8); "
-                "at --temperature 0 (the default) decoding is greedy, one and the same "
-                "completion"
+                f"give --temperature > 0 (e.g. {SAMPLE_TEMPERATURE}); "
+                "at --temperature 0 decoding is greedy, one and the same completion"
             )
+
+
+def _sampling_limits(args: argparse.Namespace) -> tuple[int | None, float | None]:
+    """``(top_k, top_p)`` for `generate`: the flags given, else the defaults (top-k
+    `SAMPLE_TOP_K`, top-p `SAMPLE_TOP_P`) when sampling; ``--top-k 0`` and ``--top-p 1`` lift
+    a limit. Greedy decoding reads neither."""
+    if args.temperature == 0:
+        return None, None
+    top_k = SAMPLE_TOP_K if args.top_k is None else args.top_k
+    top_p = SAMPLE_TOP_P if args.top_p is None else args.top_p
+    return top_k or None, top_p if top_p < 1 else None
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -199,9 +213,10 @@ def _generate(args: argparse.Namespace) -> int:
         )
     prompt_BS = torch.tensor([ids] * args.num_samples, device=device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
+    top_k, top_p = _sampling_limits(args)
     out_BT = generate(
         model, prompt_BS, args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p,
+        top_k=top_k, top_p=top_p,
         eos_token_id=None if args.ignore_eos else tokenizer.eos_id, generator=generator,
     )
     completions = []
@@ -291,12 +306,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--prompt", required=True, help="text to continue")
     gen.add_argument("--max-new-tokens", type=count(0), default=64,
                      help="tokens to generate after the prompt (default 64)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--temperature", type=float, default=SAMPLE_TEMPERATURE,
+                     help=f"softmax temperature (default {SAMPLE_TEMPERATURE}); 0 = greedy")
     gen.add_argument("--top-k", type=int, default=None,
-                     help="sample among the k likeliest tokens (needs --temperature > 0)")
+                     help=f"sample among the k likeliest tokens (default {SAMPLE_TOP_K}; "
+                     "0 = no limit; needs --temperature > 0)")
     gen.add_argument("--top-p", type=float, default=None,
                      help="sample from the smallest set of tokens of probability p (nucleus; "
-                     "needs --temperature > 0)")
+                     f"default {SAMPLE_TOP_P}; 1 = no limit; needs --temperature > 0)")
     gen.add_argument("--seed", type=int, default=0, help="seed of the sampler")
     gen.add_argument("--num-samples", type=int, default=1, help="completions of the prompt")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")

@@ -16,9 +16,10 @@ torchrun sets it to 1 for several ranks, and the start line says when that leave
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import sys
+import time
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -129,6 +130,7 @@ def run_train(args: argparse.Namespace) -> int:
     from densetrain.errors import UserError
     from densetrain.train import NonFiniteLossError, train
 
+    started = time.monotonic()
     try:
         summary = train(job)
     except NonFiniteLossError as err:
@@ -148,6 +150,36 @@ def run_train(args: argparse.Namespace) -> int:
     if summary.get("already_finished"):  # said in one line by the trainer; nothing to print
         return 0
     if os.environ.get("RANK", "0") == "0":  # torchrun's global rank; the process group is gone
-        printable = {k: v for k, v in summary.items() if k not in ("sample", "samples")}
-        print(json.dumps(printable, indent=2))
+        print("\n".join(ending_lines(summary, time.monotonic() - started)))
     return 0
+
+
+def ending_lines(summary: dict, wall_seconds: float) -> list[str]:
+    """The few lines a finished run ends with: steps, final losses, wall time and where its
+    files are. The whole summary (throughput, MFU, goodput, the sample...) stays in
+    ``summary.json``; printed in full it buried the result under 30 lines of JSON."""
+    from pathlib import Path
+
+    run_dir = Path(summary["run_dir"])
+    losses = [f"train loss {summary['final_loss']:.4f}"]
+    val = summary.get("final_val_loss", float("nan"))
+    losses.append(f"val loss {val:.4f}" if math.isfinite(val)
+                  else "val loss - (eval.interval=0)")
+    lines = [f"done: {summary['steps']} steps in {_duration(wall_seconds)} | "
+             + " | ".join(losses)]
+    metrics = run_dir / "metrics.jsonl"
+    files = [("checkpoint", summary.get("checkpoint") or "none (checkpoint.enabled=false)"),
+             ("metrics", str(metrics) if metrics.is_file() else "none"),
+             ("plot", summary.get("plot") or "none (logging.plot=false)"),
+             ("summary", str(run_dir / "summary.json"))]
+    lines += [f"  {name:<11}{where}" for name, where in files]
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    """``4m 31s``, ``1h 02m 05s`` or ``12.3s``."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"

@@ -168,6 +168,17 @@ class CheckpointConfig:
             )
 
 
+# Sampling defaults of the end-of-run sample and of `densetrain generate`: llama.cpp's defaults
+# (temperature 0.8, top-k 40, top-p 0.95), which combine top-k 40 of the GPT-2 samples (Radford
+# et al. 2019) with the nucleus p = 0.95 of Holtzman et al. 2020 ("The Curious Case of Neural
+# Text Degeneration", whose main setting it is), at a temperature below 1 as in nanoGPT's
+# sample.py (0.8). Each cuts the unreliable tail that a small model spreads mass over, while
+# keeping enough randomness that the text does not fall into greedy decoding's loops.
+SAMPLE_TEMPERATURE = 0.8
+SAMPLE_TOP_K = 40
+SAMPLE_TOP_P = 0.95
+
+
 @dataclass(kw_only=True)
 class EvalConfig:
     """Validation loss cadence and the sample printed with it.
@@ -181,16 +192,30 @@ class EvalConfig:
             whole split; more than the split holds = the whole split.
         num_batches: no longer read (validation takes ``num_windows``, a count independent of
             the batch size); kept so that older configs load.
-        sample_prompt: prompt of the greedy sample generated after the last step (and every
-            ``logging.sample_interval`` steps); empty = none.
-        sample_tokens: new tokens in that sample.
+        sample_prompt: prompt of the sample generated after the last step (and every
+            ``logging.sample_interval`` steps); empty = the first ``sample_prompt_tokens``
+            tokens of the validation split (real text of the corpus: the continuation shows
+            whether the model learnt its structure; a fixed short prompt such as ``def `` says
+            little and the same for every corpus).
+        sample_prompt_tokens: validation tokens that prompt the sample when ``sample_prompt``
+            is empty (at most ``data.seq_len`` of them: one validation sequence).
+        sample_tokens: new tokens in that sample; 0 = no sample.
+        sample_temperature: softmax temperature of the sample; 0 = greedy (argmax; a small
+            model's greedy continuation soon repeats one phrase).
+        sample_top_k: draw among the k likeliest tokens; 0 = no limit.
+        sample_top_p: draw from the nucleus of probability mass p (Holtzman et al. 2020);
+            1 = no limit.
     """
 
     interval: int = 50
     num_windows: int = 256
     num_batches: int = 4
-    sample_prompt: str = "def "
+    sample_prompt: str = ""
+    sample_prompt_tokens: int = 48
     sample_tokens: int = 48
+    sample_temperature: float = SAMPLE_TEMPERATURE
+    sample_top_k: int = SAMPLE_TOP_K
+    sample_top_p: float = SAMPLE_TOP_P
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming ``eval.<field>`` when a value is out of range."""
@@ -198,6 +223,21 @@ class EvalConfig:
         _int_at_least("eval.num_windows", self.num_windows, 0)
         _int_at_least("eval.num_batches", self.num_batches, 1)
         _int_at_least("eval.sample_tokens", self.sample_tokens, 0)
+        _int_at_least("eval.sample_prompt_tokens", self.sample_prompt_tokens, 1)
+        _int_at_least("eval.sample_top_k", self.sample_top_k, 0)
+        temperature = self.sample_temperature
+        if not (_is_number(temperature) and math.isfinite(temperature) and temperature >= 0):
+            raise UserError("eval.sample_temperature must be a finite number >= 0 (0 = greedy), "
+                            f"got {temperature!r}")
+        top_p = self.sample_top_p
+        if not (_is_number(top_p) and 0 < top_p <= 1):
+            raise UserError("eval.sample_top_p must be a number in (0, 1] (1 = no limit), "
+                            f"got {top_p!r}")
+
+
+def _is_number(value: object) -> bool:
+    """An int or float, not a bool (TOML's ``true`` is no temperature)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(kw_only=True)
@@ -220,8 +260,8 @@ class LoggingConfig:
             accelerator table (GPU) or a matmul probe at start (CPU, best of several runs). A
             fixed figure keeps MFU comparable across runs on a shared machine, where the probe
             varies with load.
-        sample_interval: also print the greedy sample (``eval.sample_prompt``) every this many
-            steps during training; 0 = only after the last step.
+        sample_interval: also print the sample (``eval.sample_*``) every this many steps
+            during training; 0 = only after the last step.
         wandb: also log every metrics record to Weights & Biases (the ``wandb`` extra), with
             the resolved job config as the W&B run config.
         wandb_project: W&B project name.

@@ -19,7 +19,12 @@ from typing import Any
 
 from densetrain.config.sections import LoggingConfig
 from densetrain.train.device import peak_memory_bytes, peak_rss_bytes
-from densetrain.train.evaluation import mean_over_ranks, sample_text
+from densetrain.train.evaluation import (
+    SampleSpec,
+    mean_over_ranks,
+    sample_text,
+    validation_prompt,
+)
 from densetrain.train.loggers import (
     TENSORBOARD_MISSING,
     RecordSink,
@@ -226,27 +231,63 @@ class MetricsLogger(Callback):
 
 
 class Sampler(Callback):
-    """A short greedy continuation of a prompt, printed by rank 0: every ``interval`` steps
-    during training (0: never) and from the final model (every rank takes part: a sharded or
-    pipelined model needs them all)."""
+    """A short continuation of a prompt, printed by rank 0: every ``interval`` steps during
+    training (0: never) and from the final model (every rank takes part: a sharded or
+    pipelined model needs them all).
 
-    def __init__(self, *, prompt: str, max_new_tokens: int, interval: int = 0) -> None:
+    The prompt is ``prompt`` or, when that is empty, the first ``prompt_tokens`` tokens of the
+    validation split (`validation_prompt`, read at the start of training so that a run without
+    validation data is refused before it trains). Drawn as ``spec`` says (`SampleSpec`:
+    temperature, top-k, top-p and the seed; temperature 0 is greedy)."""
+
+    def __init__(self, *, prompt: str, max_new_tokens: int, interval: int = 0,
+                 prompt_tokens: int = 48, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0) -> None:
         self.prompt = prompt
+        self.prompt_tokens = prompt_tokens
         self.max_new_tokens = max_new_tokens
         self.interval = interval
+        self.spec = SampleSpec(max_new_tokens=max_new_tokens, temperature=temperature,
+                               top_k=top_k, top_p=top_p, seed=seed)
+        self.prompt_ids: list[int] = []
+        self.prompt_text = prompt
         self.sample = ""
         self.samples: list[dict[str, Any]] = []
 
     @property
     def enabled(self) -> bool:
-        """True when there is a prompt and tokens to generate."""
-        return bool(self.prompt) and self.max_new_tokens > 0
+        """True when there are tokens to generate."""
+        return self.max_new_tokens > 0
+
+    def on_train_start(self, parts: RunParts, progress: Progress) -> None:
+        """Resolve the prompt to token ids (from the validation split when ``prompt`` is
+        empty)."""
+        if not self.enabled:
+            return
+        tokenizer = parts.data.tokenizer
+        if self.prompt:
+            self.prompt_ids = tokenizer.encode(self.prompt) or [tokenizer.eos_id]
+            self.prompt_text = self.prompt
+        else:
+            self.prompt_ids = validation_prompt(parts, self.prompt_tokens)
+            self.prompt_text = tokenizer.decode(self.prompt_ids)
+
+    def _generate(self, parts: RunParts, step: int) -> str:
+        text = sample_text(parts, self.prompt_ids, self.spec)
+        if parts.is_main:
+            where = (f"eval.sample_prompt {self.prompt!r}" if self.prompt else
+                     f"the first {len(self.prompt_ids)} tokens of the validation split")
+            rule = "-" * 20
+            print(f"sample at step {step} ({self.spec.describe()}) from {where}:\n"
+                  f"{rule} prompt {rule}\n{self.prompt_text}\n"
+                  f"{rule} continuation {rule}\n{text}\n{rule * 2}", file=sys.stderr)
+        return text
 
     def on_step_end(self, parts: RunParts, progress: Progress, report: StepReport) -> None:
         """Generate on the cadence (the last step's sample comes from `on_train_end`)."""
         if self.enabled and self.interval and report.step % self.interval == 0 \
                 and not report.is_last:
-            text = sample_text(parts, self.prompt, self.max_new_tokens)
+            text = self._generate(parts, report.step)
             self.samples.append({"step": report.step, "text": text})
 
     def on_rollback(self, parts: RunParts, progress: Progress) -> None:
@@ -256,11 +297,14 @@ class Sampler(Callback):
     def on_train_end(self, parts: RunParts, progress: Progress) -> None:
         """Generate and print."""
         if self.enabled:
-            self.sample = sample_text(parts, self.prompt, self.max_new_tokens)
+            self.sample = self._generate(parts, progress.step)
 
     def summary(self) -> dict[str, Any]:
-        """The final sample text (and, with an interval, the ones during training)."""
+        """The final sample text and its prompt (and, with an interval, the samples during
+        training)."""
         entries: dict[str, Any] = {"sample": self.sample}
+        if self.enabled:
+            entries["sample_prompt"] = self.prompt_text
         if self.interval:
             entries["samples"] = self.samples
         return entries

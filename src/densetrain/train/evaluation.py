@@ -183,15 +183,57 @@ class Evaluator:
                 "val_tokens": len(val_set.windows) * val_set.seq_len, **val_set.identity()}
 
 
+@dataclass(frozen=True)
+class SampleSpec:
+    """How the run's sample is drawn (``eval.sample_*``; the seed is ``training.seed``)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    """0: no limit."""
+    top_p: float
+    """1: no limit."""
+    seed: int
+
+    def describe(self) -> str:
+        """``greedy`` or ``temperature 0.8, top-k 40, top-p 0.95, seed 0`` (the limits set)."""
+        if self.temperature == 0:
+            return "greedy"
+        words = [f"temperature {self.temperature:g}"]
+        if self.top_k:
+            words.append(f"top-k {self.top_k}")
+        if self.top_p < 1:
+            words.append(f"top-p {self.top_p:g}")
+        return ", ".join([*words, f"seed {self.seed}"])
+
+
+def validation_prompt(parts: RunParts, num_tokens: int) -> list[int]:
+    """The first ``num_tokens`` tokens (at most one sequence, ``seq_len``) of the validation
+    split's first source that holds a sequence: text the model was never trained on. Raises a
+    `UserError` naming the fields to set when the run has no validation data."""
+    val = parts.data.val
+    sources = [] if val is None else [
+        store for store, count in zip(val.stores, val.num_sequences, strict=True) if count > 0]
+    if not sources:
+        raise UserError("eval.sample_prompt is empty, so the sample's prompt is taken from the "
+                        "validation split, and this run has none: set eval.sample_prompt, or "
+                        "eval.sample_tokens=0 for no sample")
+    return [int(t) for t in sources[0].read(0, min(num_tokens, val.seq_len))]
+
+
 @torch.no_grad()
-def sample_text(parts: RunParts, prompt: str, max_new_tokens: int) -> str:
-    """Greedy KV-cached continuation of ``prompt`` by the run's model, on rank 0 ("" elsewhere).
+def sample_text(parts: RunParts, prompt_ids: list[int], spec: SampleSpec) -> str:
+    """KV-cached continuation of ``prompt_ids`` by the run's model as ``spec`` says, on rank 0
+    ("" elsewhere).
 
     A collective: every rank takes part in gathering the full weights of a sharded or pipelined
     model to rank 0 (`LaidOutModel.gathered_state_dict`); one process generates from its own
     module directly. Rank 0 first checks that the full model fits in its host memory and, on a
     CUDA device, in its free device memory (`sample_fits`); when it does not, every rank skips
-    the sample and returns "".
+    the sample and returns "". Only rank 0 draws, so there is one sample per run whatever the
+    layout; a fresh generator seeded with ``spec.seed`` for each sample makes it the same text
+    for the same weights: a rerun, a resumed run and another layout of the same job agree, and
+    samples at different steps differ by the model alone.
     """
     from densetrain.generate import generate
     from densetrain.models import Transformer
@@ -211,18 +253,21 @@ def sample_text(parts: RunParts, prompt: str, max_new_tokens: int) -> str:
             model = Transformer(parts.model_cfg)
         model.load_state_dict({name: weights.pop(name).to(parts.device) for name in list(weights)},
                               assign=True)
-    ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
-    tokens_1S = torch.tensor([ids], dtype=torch.long, device=parts.device)
+    tokens_1S = torch.tensor([prompt_ids], dtype=torch.long, device=parts.device)
+    generator = torch.Generator(device=parts.device).manual_seed(spec.seed)
     model.eval()
     try:
         with parts.autocast():
-            out_1T = generate(model, tokens_1S, max_new_tokens, eos_token_id=tokenizer.eos_id)
+            out_1T = generate(model, tokens_1S, spec.max_new_tokens,
+                              temperature=spec.temperature, top_k=spec.top_k or None,
+                              top_p=spec.top_p if spec.top_p < 1 else None,
+                              eos_token_id=tokenizer.eos_id, generator=generator)
     finally:
         model.train()
-    text = tokenizer.decode(out_1T[0, len(ids):].tolist())
-    if parts.is_main:
-        print(f"sample (greedy) | {prompt!r} ->\n{prompt}{text}\n", file=sys.stderr)
-    return text
+    new = out_1T[0, len(prompt_ids):].tolist()
+    if tokenizer.eos_id in new:  # generate pads a finished sequence with EOS
+        new = new[:new.index(tokenizer.eos_id)]
+    return tokenizer.decode(new)
 
 
 def full_model_bytes(parts: RunParts) -> int:

@@ -66,7 +66,10 @@ def default_callbacks(job: JobConfig) -> list[Callback]:
     callbacks: list[Callback] = [
         MetricsLogger(config=job.logging),
         Sampler(prompt=job.eval.sample_prompt, max_new_tokens=job.eval.sample_tokens,
-                interval=job.logging.sample_interval),
+                interval=job.logging.sample_interval,
+                prompt_tokens=job.eval.sample_prompt_tokens,
+                temperature=job.eval.sample_temperature, top_k=job.eval.sample_top_k,
+                top_p=job.eval.sample_top_p, seed=job.training.seed),
     ]
     if job.checkpoint.enabled:
         callbacks.append(Checkpointer(interval=job.checkpoint.interval,

@@ -67,12 +67,37 @@ def test_generate_command_is_the_library_generation(native_dir, hf_pair, tokeniz
     assert code == 0
     record = json.loads(capsys.readouterr().out)
     ids = tokenizer.encode("def ")
-    out = generate(hf_pair[1], torch.tensor([ids]), 6, temperature=0.8, top_k=20,
+    # --top-p not given: sampling takes the default nucleus 0.95
+    out = generate(hf_pair[1], torch.tensor([ids]), 6, temperature=0.8, top_k=20, top_p=0.95,
                    eos_token_id=tokenizer.eos_id,
                    generator=torch.Generator().manual_seed(3))[0, len(ids):].tolist()
     if tokenizer.eos_id in out:
         out = out[: out.index(tokenizer.eos_id)]
     assert record["completions"] == [tokenizer.decode(out)]
+
+
+def test_generate_samples_by_default_and_is_greedy_at_temperature_0(native_dir, hf_pair,
+                                                                   tokenizer, capsys):
+    """No sampling flag: temperature 0.8, top-k 40, top-p 0.95, seed 0 (the same text on each
+    call); ``--temperature 0`` is the greedy continuation."""
+    ids = tokenizer.encode("def ")
+
+    def completion(*flags: str) -> str:
+        assert main(["generate", str(native_dir), "--prompt", "def ", "--max-new-tokens", "8",
+                     "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)["completions"][0]
+
+    def library(**sampling) -> str:
+        out = generate(hf_pair[1], torch.tensor([ids]), 8, eos_token_id=tokenizer.eos_id,
+                       **sampling)[0, len(ids):].tolist()
+        return tokenizer.decode(out[: out.index(tokenizer.eos_id)]
+                                if tokenizer.eos_id in out else out)
+
+    default = completion()
+    assert default == completion()  # seeded: reproducible
+    assert default == library(temperature=0.8, top_k=40, top_p=0.95,
+                              generator=torch.Generator().manual_seed(0))
+    assert completion("--temperature", "0") == library()
 
 
 def test_errors_are_reported_not_raised(tmp_path, capsys):

@@ -121,6 +121,34 @@ def test_sampling_frequencies_and_seeding():
     )
 
 
+def test_the_run_sample_settings_mask_only_the_tail_and_zero_temperature_is_greedy():
+    """The end-of-run sample's defaults (temperature 0.8, top-k 40, top-p 0.95): top-k and
+    top-p together keep the tokens both keep; the nucleus is taken after the temperature;
+    temperature 0 is the argmax whatever the generator; one seed gives one draw."""
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    logits = torch.log(probs)[[3, 0, 5, 1, 4, 2]].unsqueeze(0)  # likeliest at index 1, then 3
+    # top-p 0.8 keeps 0.4 + 0.25 + 0.15 (indices 1, 3, 5); top-k 2 of those: 1 and 3
+    kept = torch.isfinite(filter_logits(logits, top_k=2, top_p=0.8))
+    assert kept[0].nonzero().flatten().tolist() == [1, 3]
+    assert torch.isfinite(filter_logits(logits, top_k=40, top_p=0.8))[0].nonzero().flatten(
+        ).tolist() == [1, 3, 5]  # k above the vocabulary: no cut
+    # temperature 0.5 sharpens: 0.4 and 0.25 become 0.59 and 0.23 of the mass: two reach 0.8
+    sharp = filter_logits(logits / 0.5, top_p=0.8)
+    assert torch.isfinite(sharp)[0].nonzero().flatten().tolist() == [1, 3]
+    batch = logits.expand(4000, 6)
+    draws = sample_next(batch, temperature=0.8, top_k=40, top_p=0.95,
+                        generator=torch.Generator().manual_seed(0))
+    assert set(draws.tolist()) == {0, 1, 3, 5, 4}  # 0.04 (index 2) lies outside the nucleus
+    again = sample_next(batch, temperature=0.8, top_k=40, top_p=0.95,
+                        generator=torch.Generator().manual_seed(0))
+    other = sample_next(batch, temperature=0.8, top_k=40, top_p=0.95,
+                        generator=torch.Generator().manual_seed(1))
+    assert torch.equal(draws, again) and not torch.equal(draws, other)
+    greedy = sample_next(batch, temperature=0.0, top_k=40, top_p=0.95,
+                         generator=torch.Generator().manual_seed(5))
+    assert greedy.unique().tolist() == [1]
+
+
 def test_bad_arguments():
     model = Transformer(tiny(position_embedding="learned", max_seq_len=8))
     with pytest.raises(ValueError, match="exceeds max_seq_len 8"):

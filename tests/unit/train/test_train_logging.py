@@ -68,7 +68,17 @@ def test_piped_output_gets_one_plain_line_per_logged_step(make_job, tmp_path, pr
     assert [float(m["val"]) for m in lines[1:]] == pytest.approx(
         [records[3]["val_loss"], records[3]["val_loss"], records[6]["val_loss"]], abs=5e-5)
     assert lines[-1]["eta"] == "0s"
-    assert json.loads(done.stdout)["steps"] == 6  # stdout holds the summary only
+    # stdout holds the run's ending only: steps, losses, wall time and where the files are
+    summary = json.loads((tmp_path / "piped" / "summary.json").read_text())
+    ending = done.stdout.splitlines()
+    assert ending[0].startswith("done: 6 steps in ")
+    assert f"train loss {summary['final_loss']:.4f}" in ending[0]
+    assert f"val loss {summary['final_val_loss']:.4f}" in ending[0]
+    assert ending[1:] == [
+        "  checkpoint none (checkpoint.enabled=false)",
+        f"  metrics    {tmp_path / 'piped' / 'metrics.jsonl'}",
+        "  plot       none (logging.plot=false)",
+        f"  summary    {tmp_path / 'piped' / 'summary.json'}"]
 
 
 def test_a_terminal_gets_the_progress_bar_with_the_validation_loss(make_job, tmp_path) -> None:
@@ -110,7 +120,7 @@ def test_mfu_above_100_percent_is_warned_once(make_job, tmp_path) -> None:
     assert len(warnings) == 1, done.stderr
     assert "pinned by logging.peak_tflops" in warnings[0]
     assert "--logging.peak_tflops" in warnings[0]
-    summary = json.loads(done.stdout)
+    summary = json.loads((tmp_path / "lowpeak" / "summary.json").read_text())
     assert summary["mfu"] > 1 and "--logging.peak_tflops" in summary["mfu_warning"]
 
 
@@ -126,8 +136,9 @@ def test_rerunning_a_finished_run_says_so_and_changes_nothing(make_job, tmp_path
     args = _cli_args(make_job, tmp_path, "done", "--training.steps=4", "--eval.interval=2",
                      "--checkpoint.interval=2", "--eval.sample_tokens=0")
     assert main(args) == 0
-    first = json.loads(capsys.readouterr().out)
     run_dir = tmp_path / "done"
+    assert capsys.readouterr().out.startswith("done: 4 steps in ")
+    first = json.loads((run_dir / "summary.json").read_text())
     before = _run_files(run_dir)
     assert main(args) == 0
     again = capsys.readouterr()
@@ -139,6 +150,7 @@ def test_rerunning_a_finished_run_says_so_and_changes_nothing(make_job, tmp_path
     assert stored["final_loss"] == first["final_loss"] and stored["final_loss"] > 0
     # A longer run continues from the final checkpoint and writes its own summary.
     assert main([*args, "--training.steps=6"]) == 0
-    longer = json.loads(capsys.readouterr().out)
+    assert capsys.readouterr().out.startswith("done: 6 steps in ")
+    longer = json.loads((run_dir / "summary.json").read_text())
     assert longer["steps"] == 6 and longer["resumed_from"].endswith("step-00000004")
     assert longer["final_loss"] == read_metrics(run_dir)[-1]["loss"]

@@ -105,7 +105,10 @@ def test_cli_train_runs_with_overrides(make_job, tiny_overrides, capsys, tmp_pat
             f"--logging.run_dir={tmp_path / 'cli'}", "--training.steps=3", "--eval.interval=0",
             "--checkpoint.enabled=false", "--logging.plot=false", "--logging.peak_tflops=2.5"]
     assert main(argv) == 0
-    summary = json.loads(capsys.readouterr().out)
+    ending = capsys.readouterr().out
+    assert ending.startswith("done: 3 steps in ") and "val loss - (eval.interval=0)" in ending
+    assert len(ending.splitlines()) == 5  # the summary stays in summary.json
+    summary = json.loads((tmp_path / "cli" / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["tokens"] == 3 * 8 * 32
     # a pinned peak replaces the probe: MFU = achieved model FLOP/s over 2.5 TFLOP/s
     assert summary["peak_flops_source"] == "pinned by logging.peak_tflops"
