@@ -90,6 +90,10 @@ TWO_RANK = {
     # QK-norm on each rank's heads (Qwen3), and BLOOM's embedding LayerNorm
     "tp2_qwen3": dict(tp=2, dp_shard=1, sequence_parallel=False, _arch="qwen3"),
     "tp2_sp_qwen3": dict(tp=2, dp_shard=1, _arch="qwen3"),
+    # post-norm blocks (the original Transformer's and OPT-350m's order)
+    "tp2_postnorm": dict(tp=2, dp_shard=1, sequence_parallel=False,
+                         _model=dict(norm_position="post")),
+    "tp2_sp_postnorm": dict(tp=2, dp_shard=1, _model=dict(norm_position="post")),
     "tp2_sp_embedding_norm": dict(tp=2, dp_shard=1, _arch="bloom",
                                   _model=dict(position_embedding="rope")),
 }

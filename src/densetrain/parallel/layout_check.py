@@ -27,9 +27,9 @@ and where each comes from:
   ``pp_microbatches`` >= pp except for GPipe, ``pp_layer_split`` has pp x v entries summing to
   the layers, at most one stage per layer;
 - tensor parallel: tp divides the heads and the ffn width, tp divides the kv heads or is a
-  multiple of them; the plan covers pre-norm blocks, sequential or parallel, with a final norm,
-  tied or untied embeddings, learned, rotary, ALiBi or Transformer-XL positions, QK-norm and an
-  embedding norm, without embedding projections;
+  multiple of them; the plan covers pre- and post-norm blocks, sequential or parallel, with a
+  final norm, tied or untied embeddings, learned, rotary, ALiBi or Transformer-XL positions,
+  QK-norm and an embedding norm, without embedding projections;
 - sequence parallel: the per-cp-rank sequence is a multiple of tp;
 - context parallel: the sequence is a multiple of 2 x cp (load-balanced chunks); ALiBi, sliding
   windows, document masks and Transformer-XL relative positions are masked by global positions;
@@ -160,17 +160,15 @@ def _microbatches(f: Any, r: RunShape) -> Any:
 def _tp_unsupported(m: Any) -> list[str]:
     """The model features the tensor-parallel plan does not cover (empty: all covered).
 
-    Covered besides the plain pre-norm block: parallel attention + MLP blocks (one reduction of
-    both branches), QK-norm on the local heads, the embedding norm, tied embeddings (the
-    vocab-parallel embedding is the vocab-parallel head's weight, one DTensor, as Megatron-LM
-    trained GPT-2) and learned absolute positions (the table is replicated over tp; with
-    sequence parallel each rank adds its slice), ALiBi (each rank its heads' slopes),
-    Transformer-XL relative positions (W_R column-wise, u and v split with the heads) and MQA
-    (the one kv head whole on every rank, rule ``tp_and_kv_heads``).
+    Covered besides the plain pre-norm block: post-norm blocks, parallel attention + MLP
+    blocks (one reduction of both branches), QK-norm on the local heads, the embedding norm,
+    tied embeddings (the vocab-parallel embedding is the vocab-parallel head's weight, one
+    DTensor, as Megatron-LM trained GPT-2) and learned absolute positions (the table is
+    replicated over tp; with sequence parallel each rank adds its slice), ALiBi (each rank its
+    heads' slopes), Transformer-XL relative positions (W_R column-wise, u and v split with the
+    heads) and MQA (the one kv head whole on every rank, rule ``tp_and_kv_heads``).
     """
     found = []
-    if m.norm_position != "pre":
-        found.append(f"norm_position={m.norm_position!r} (pre-norm blocks only)")
     if m.embed_dim != m.dim:
         found.append(f"embed_dim={m.embed_dim} != dim={m.dim} (embedding projections)")
     if not m.final_norm:

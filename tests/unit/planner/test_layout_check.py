@@ -49,7 +49,6 @@ CASES = [
      "num_kv_heads=3"),
     ("tp_divides_ffn", dict(tp=4), dict(ffn_dim=130), {}, "must divide model.ffn_dim=130"),
     ("tp_model_features", dict(tp=2), dict(embed_dim=32), {}, "embedding projections"),
-    ("tp_model_features", dict(tp=2), dict(norm_position="post"), {}, "pre-norm blocks only"),
     ("tp_model_features", dict(tp=2), dict(final_norm=False), {}, "final_norm=False"),
     ("sp_sequence_divides", dict(tp=2, sequence_parallel=True), {}, dict(seq=15),
      "sequence parallel with parallel.tp=2"),
