@@ -94,6 +94,11 @@ TWO_RANK = {
     "tp2_postnorm": dict(tp=2, dp_shard=1, sequence_parallel=False,
                          _model=dict(norm_position="post")),
     "tp2_sp_postnorm": dict(tp=2, dp_shard=1, _model=dict(norm_position="post")),
+    # OPT-350m's shape: embedding projections (E = 32 -> D = 64 -> E), no final norm
+    "tp2_projected": dict(tp=2, dp_shard=1, sequence_parallel=False,
+                          _model=dict(embed_dim=32, final_norm=False)),
+    "tp2_sp_projected": dict(tp=2, dp_shard=1, _model=dict(embed_dim=32, final_norm=False)),
+    "tp2_sp_no_final_norm": dict(tp=2, dp_shard=1, _model=dict(final_norm=False)),
     "tp2_sp_embedding_norm": dict(tp=2, dp_shard=1, _arch="bloom",
                                   _model=dict(position_embedding="rope")),
 }

@@ -27,9 +27,9 @@ and where each comes from:
   ``pp_microbatches`` >= pp except for GPipe, ``pp_layer_split`` has pp x v entries summing to
   the layers, at most one stage per layer;
 - tensor parallel: tp divides the heads and the ffn width, tp divides the kv heads or is a
-  multiple of them; the plan covers pre- and post-norm blocks, sequential or parallel, with a
-  final norm, tied or untied embeddings, learned, rotary, ALiBi or Transformer-XL positions,
-  QK-norm and an embedding norm, without embedding projections;
+  multiple of them (the plan covers every block, position and embedding feature of the
+  models: pre- and post-norm, sequential or parallel blocks, QK-norm, embedding norms and
+  projections, tied or untied heads, learned, rotary, ALiBi or Transformer-XL positions);
 - sequence parallel: the per-cp-rank sequence is a multiple of tp;
 - context parallel: the sequence is a multiple of 2 x cp (load-balanced chunks); ALiBi, sliding
   windows, document masks and Transformer-XL relative positions are masked by global positions;
@@ -157,25 +157,6 @@ def _microbatches(f: Any, r: RunShape) -> Any:
     return _select(count > 0, count, 1)
 
 
-def _tp_unsupported(m: Any) -> list[str]:
-    """The model features the tensor-parallel plan does not cover (empty: all covered).
-
-    Covered besides the plain pre-norm block: post-norm blocks, parallel attention + MLP
-    blocks (one reduction of both branches), QK-norm on the local heads, the embedding norm,
-    tied embeddings (the vocab-parallel embedding is the vocab-parallel head's weight, one
-    DTensor, as Megatron-LM trained GPT-2) and learned absolute positions (the table is
-    replicated over tp; with sequence parallel each rank adds its slice), ALiBi (each rank its
-    heads' slopes), Transformer-XL relative positions (W_R column-wise, u and v split with the
-    heads) and MQA (the one kv head whole on every rank, rule ``tp_and_kv_heads``).
-    """
-    found = []
-    if m.embed_dim != m.dim:
-        found.append(f"embed_dim={m.embed_dim} != dim={m.dim} (embedding projections)")
-    if not m.final_norm:
-        found.append("final_norm=False (the vocab-parallel head needs the final norm)")
-    return found
-
-
 def _rounds_ok(f: Any, r: RunShape) -> Any:
     count = _microbatches(f, r)
     rounds = _select(count // f.pp > 1, count // f.pp, 1)
@@ -208,10 +189,6 @@ RULES: tuple[Rule, ...] = (
     Rule("tp_divides_ffn",
          lambda f, m, r: m.ffn_dim % f.tp != 0,
          lambda f, m, r: f"parallel.tp={f.tp} must divide model.ffn_dim={m.ffn_dim}"),
-    Rule("tp_model_features",
-         lambda f, m, r: (f.tp > 1) & bool(_tp_unsupported(m)),
-         lambda f, m, r: f"parallel.tp={f.tp}: tensor parallel does not support "
-         + "; ".join(_tp_unsupported(m))),
     Rule("sp_sequence_divides",
          lambda f, m, r: f.sequence_parallel & (f.tp > 1) & ((r.seq_len // f.cp) % f.tp != 0),
          lambda f, m, r: f"sequence parallel with parallel.tp={f.tp} needs the sequence length "

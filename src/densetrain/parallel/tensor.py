@@ -264,6 +264,39 @@ class _HeadShardedVector(ParallelStyle):
                                  output_fn=lambda mod, output, mesh: output.to_local())
 
 
+class _ReplicatedOnStream(ParallelStyle):
+    """A module of the residual stream (an embedding projection) with its parameters replicated
+    over tp (Replicate DTensors: under sequence parallel their gradients are partial sums over
+    the sequence shards, reduced by DTensor) and its input taken in ``layout`` (a plain tensor
+    as this rank's part); its output a DTensor, or this rank's plain part."""
+
+    def __init__(self, layout, *, use_local_output: bool) -> None:
+        super().__init__()
+        self.layout, self.use_local_output = layout, use_local_output
+
+    @staticmethod
+    def _partition(name, module, mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            replicated = nn.Parameter(
+                DTensor.from_local(param.data, mesh, [Replicate()], run_check=False),
+                requires_grad=param.requires_grad)
+            module.register_parameter(pname, replicated)
+
+    def _prepare_input(self, mod, inputs, mesh):
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [self.layout], run_check=False)
+        elif x.placements != (self.layout,):
+            x = x.redistribute(mesh, [self.layout])
+        return (x, *inputs[1:])
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, self._partition,
+            input_fn=lambda mod, inputs, mesh: self._prepare_input(mod, inputs, mesh),
+            output_fn=lambda mod, out, mesh: out.to_local() if self.use_local_output else out)
+
+
 class _GatheredOutput(ParallelStyle):
     """A norm whose output leaves as one Replicate DTensor: run on the sequence shard and
     all-gathered under sequence parallel (torch's ``SequenceParallel`` for the parameters and
@@ -311,7 +344,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool,
     if layout is None:
         # A direct caller (not through a checked run layout) gets the same refusal as a config.
         layout = degrees_layout(model.config, tp=tp)
-        require(("tp_divides_heads", "tp_and_kv_heads", "tp_divides_ffn", "tp_model_features"),
+        require(("tp_divides_heads", "tp_and_kv_heads", "tp_divides_ffn"),
                 layout, model.config)
     seq_layout = Shard(1) if sequence_parallel else Replicate()
     top_plan: dict = {}
@@ -325,17 +358,30 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool,
         if getattr(model, "embed_norm", None) is not None and sequence_parallel:
             # BLOOM's embedding LayerNorm, on the sequence shard like the blocks' norms
             top_plan["embed_norm"] = SequenceParallel(use_local_output=True)
+        if getattr(model, "project_in", None) is not None:
+            # OPT-350m's embedding projection E -> D, replicated, on the residual's layout
+            top_plan["project_in"] = _ReplicatedOnStream(seq_layout, use_local_output=True)
     if model.output is not None:
         # ``Transformer.logits`` applies the head with F.linear on ``output_weight()``, so only
-        # the weight layout matters here; the final norm hands it a DTensor.
-        top_plan["norm"] = (
-            SequenceParallel(use_local_output=False)
-            if sequence_parallel
-            else PrepareModuleOutput(
-                output_layouts=Replicate(), desired_output_layouts=Replicate(),
-                use_local_output=False,
+        # the weight layout matters here; the final norm, the projection after it or the last
+        # block hands it a DTensor.
+        if model.norm is not None:
+            top_plan["norm"] = (
+                SequenceParallel(use_local_output=False)
+                if sequence_parallel
+                else PrepareModuleOutput(
+                    output_layouts=Replicate(), desired_output_layouts=Replicate(),
+                    use_local_output=False,
+                )
             )
-        )
+        if getattr(model, "project_out", None) is not None:
+            top_plan["project_out"] = _ReplicatedOnStream(seq_layout, use_local_output=False)
+        elif model.norm is None and len(model.layers):
+            # no final norm (OPT-350m): the last block's output is the head's input
+            last = list(model.layers.values())[-1]
+            last.register_forward_hook(
+                lambda mod, args, out: DTensor.from_local(out, tp_mesh, [seq_layout],
+                                                          run_check=False))
         if isinstance(model.output, TiedOutput):
             # tied: the head's weight is the token embedding, sharded above (same DTensor)
             top_plan["output"] = _TiedVocabParallelHead()

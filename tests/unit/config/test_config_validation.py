@@ -45,8 +45,6 @@ def _job(*overrides: str) -> JobConfig:
      r"batch_ramp_increment=6 must be a multiple of .* = 4"),
     (["--parallel.pp=2", "--schedule.batch_ramp_start=8", "--schedule.batch_ramp_tokens=9"],
      r"parallel.pp=2 needs a constant batch"),
-    (["--parallel.tp=2", "--model.final_norm=false"],
-     r"parallel.tp=2: tensor parallel does not support final_norm=False"),
     (["--schedule.name=rsqrt", "--schedule.warmup_steps=0"], r"rsqrt' needs schedule.warmup"),
     (["--optim.name=sgd", "--optim.fused=true"], r"optim.fused=true is only available"),
     (["--logging.peak_tflops=-1"], r"logging.peak_tflops must be a finite number >= 0"),

@@ -121,7 +121,6 @@ def _unvalidated(**kw) -> SimpleNamespace:
 # (layout fields, model fields, run arguments, words of the reason)
 BAD = [
     (dict(tp=8), dict(num_kv_heads=4), {}, "tp=8 must divide the attention"),
-    (dict(tp=2), dict(embed_dim=32), {}, "embedding projections"),
     (dict(tp=2, sequence_parallel=True), {}, dict(seq=15), "sequence parallel with"),
     (dict(tp=2), {}, dict(float8=True), "float8 runs with tp=1 only"),
     (dict(pp=8), {}, {}, "8 stages exceed model.num_layers=4"),

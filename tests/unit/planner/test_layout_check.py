@@ -48,8 +48,6 @@ CASES = [
     ("tp_and_kv_heads", dict(tp=2), dict(dim=96, num_heads=6, num_kv_heads=3, ffn_dim=192), {},
      "num_kv_heads=3"),
     ("tp_divides_ffn", dict(tp=4), dict(ffn_dim=130), {}, "must divide model.ffn_dim=130"),
-    ("tp_model_features", dict(tp=2), dict(embed_dim=32), {}, "embedding projections"),
-    ("tp_model_features", dict(tp=2), dict(final_norm=False), {}, "final_norm=False"),
     ("sp_sequence_divides", dict(tp=2, sequence_parallel=True), {}, dict(seq=15),
      "sequence parallel with parallel.tp=2"),
     ("cp_sequence_chunks", dict(cp=2), {}, dict(seq=18), "multiple of 2 x cp = 4"),
