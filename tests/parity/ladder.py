@@ -61,6 +61,9 @@ ARCHITECTURES: dict[str, dict] = {
     ),
     # Qwen3 (models/presets/qwen3.py): QK-RMSNorm per head, GQA
     "qwen3": dict(qk_norm=True),
+    # Gopher / Chinchilla (models/presets/gopher.py): Transformer-XL relative positions, RMSNorm,
+    # GELU
+    "gopher": dict(num_kv_heads=4, position_embedding="relative_xl", activation="gelu"),
 }
 """The architectures the ladder's tiny model comes in (``architecture=``, a layout's ``_arch``)."""
 

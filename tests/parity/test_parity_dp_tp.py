@@ -127,6 +127,7 @@ FOUR_RANK = {
     # PaLM's one kv head kept whole on all 4 tp ranks, its gradient summed over them
     "tp4_sp_palm": dict(tp=4, dp_shard=1, _arch="palm"),
     "fsdp2_tp2_qwen3": dict(dp_shard=2, tp=2, _arch="qwen3"),
+    "fsdp2_tp2_phi": dict(dp_shard=2, tp=2, _arch="phi"),
     **{f"cp2_tp2_{arch}": dict(cp=2, tp=2, dp_shard=1, _arch=arch) for arch in _FAMILIES},
 }
 

@@ -163,7 +163,7 @@ def test_pp_tied_embeddings_on_four_ranks_match_control():
 # The published families on pipelines: parallel blocks (NeoX, PaLM with tied embeddings and
 # MQA, phi-1), BLOOM's embedding norm (first stage) with ALiBi, Qwen3's QK-norm; and the same
 # stages tensor-parallel. Each compared with the one-process model of its architecture.
-FAMILIES = ("neox", "palm", "phi", "bloom", "qwen3")
+FAMILIES = ("neox", "palm", "phi", "bloom", "qwen3", "gopher")
 PP_FAMILIES_2 = {
     f"pp2_1f1b_{arch}": dict(pp=2, dp_shard=1, pp_schedule="1f1b", pp_microbatches=4,
                              _arch=arch)
