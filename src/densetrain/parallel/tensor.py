@@ -94,6 +94,20 @@ class _ReplicatedKV(ColwiseParallel):
         return outputs[..., start:end]
 
 
+def _distribute_parameters(module: nn.Module, mesh, placement) -> None:
+    """Make ``module``'s own parameters DTensors over ``mesh`` in ``placement`` (those that are
+    not yet): Replicate from each rank's local values (every rank holds the same, not yet
+    initialised ones: no broadcast), Shard by `distribute_tensor`."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        if isinstance(param, DTensor):
+            continue
+        if isinstance(placement, Replicate):
+            data = DTensor.from_local(param.data, mesh, [placement], run_check=False)
+        else:
+            data = distribute_tensor(param.data, mesh, [placement])
+        module.register_parameter(name, nn.Parameter(data, requires_grad=param.requires_grad))
+
+
 class _ReplicatedPositions(ParallelStyle):
     """The learned position table [rows, D], replicated on every tp rank.
 
@@ -109,13 +123,7 @@ class _ReplicatedPositions(ParallelStyle):
 
     @staticmethod
     def _partition(name, module, mesh):
-        for pname, param in list(module.named_parameters(recurse=False)):
-            # Every rank holds the same (not yet initialised) values: no broadcast needed.
-            replicated = nn.Parameter(
-                DTensor.from_local(param.data, mesh, [Replicate()], run_check=False),
-                requires_grad=param.requires_grad,
-            )
-            module.register_parameter(pname, replicated)
+        _distribute_parameters(module, mesh, Replicate())
 
     @staticmethod
     def _prepare_input(mod, inputs, mesh):
@@ -154,11 +162,7 @@ class _VocabParallelEmbedding(ParallelStyle):
 
     @staticmethod
     def _partition(name, module, mesh):
-        weight = module.weight
-        if not isinstance(weight, DTensor):
-            sharded = nn.Parameter(distribute_tensor(weight.data, mesh, [Shard(0)]),
-                                   requires_grad=weight.requires_grad)
-            module.register_parameter("weight", sharded)
+        _distribute_parameters(module, mesh, Shard(0))
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         module = distribute_module(module, device_mesh, self._partition)
@@ -190,11 +194,7 @@ class _TiedVocabParallelHead(ParallelStyle):
 
     @staticmethod
     def _partition(name, module, mesh):
-        bias = getattr(module, "bias", None)
-        if bias is not None and not isinstance(bias, DTensor):
-            sharded = nn.Parameter(distribute_tensor(bias.data, mesh, [Shard(0)]),
-                                   requires_grad=bias.requires_grad)
-            module.register_parameter("bias", sharded)
+        _distribute_parameters(module, mesh, Shard(0))
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return distribute_module(module, device_mesh, self._partition)
@@ -254,10 +254,7 @@ class _HeadShardedVector(ParallelStyle):
 
     @staticmethod
     def _partition(name, module, mesh):
-        for pname, param in list(module.named_parameters(recurse=False)):
-            sharded = nn.Parameter(distribute_tensor(param.data, mesh, [Shard(0)]),
-                                   requires_grad=param.requires_grad)
-            module.register_parameter(pname, sharded)
+        _distribute_parameters(module, mesh, Shard(0))
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return distribute_module(module, device_mesh, self._partition,
@@ -276,11 +273,7 @@ class _ReplicatedOnStream(ParallelStyle):
 
     @staticmethod
     def _partition(name, module, mesh):
-        for pname, param in list(module.named_parameters(recurse=False)):
-            replicated = nn.Parameter(
-                DTensor.from_local(param.data, mesh, [Replicate()], run_check=False),
-                requires_grad=param.requires_grad)
-            module.register_parameter(pname, replicated)
+        _distribute_parameters(module, mesh, Replicate())
 
     def _prepare_input(self, mod, inputs, mesh):
         x = inputs[0]

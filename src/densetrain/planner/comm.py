@@ -51,6 +51,11 @@ def ring_factor(n, kind: str):
     return 2 * share if kind == "all_reduce" else share
 
 
+def ring_steps(n):
+    """Latency steps of one collective over ``n`` ranks: 2 log2(n) (a tree's up and down)."""
+    return 2 * np.ceil(np.log2(np.maximum(n, 2)))
+
+
 def link(cluster: ClusterSpec, span, payload_bytes):
     """(bandwidth, latency) per row for a group spanning ``span`` consecutive devices that moves
     ``payload_bytes`` per collective: the link's bandwidth x ``collective_efficiency`` x
@@ -81,7 +86,7 @@ def comm_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, settings: 
     n_tp = (layers * per_layer + _tp_stage_calls(cfg, cols, mem)) * m * (tp > 1)
     bw, lat = link(cluster, tp, act)
     out["tp_bytes"] = n_tp * ring_factor(tp, "all_reduce") * act
-    out["tp_s"] = out["tp_bytes"] / bw + n_tp * lat * 2 * np.ceil(np.log2(np.maximum(tp, 2)))
+    out["tp_s"] = out["tp_bytes"] / bw + n_tp * lat * ring_steps(tp)
     # fewer kv heads than tp ranks (MQA, `parallel.tensor._ReplicatedKV`): each rank's wk and wv
     # gradients, zero outside its kv head, are all-reduced over tp in every backward
     kv_ways = kv_split(cfg.num_kv_heads, tp)
@@ -90,8 +95,7 @@ def comm_columns(cfg: ModelConfig, seq_len: int, cols: LayoutColumns, settings: 
     bw, lat = link(cluster, tp, kv_grad)
     kv_bytes = n_kv * ring_factor(tp, "all_reduce") * kv_grad
     out["tp_bytes"] = out["tp_bytes"] + kv_bytes
-    out["tp_s"] = out["tp_s"] + kv_bytes / bw + n_kv * lat * 2 * np.ceil(np.log2(np.maximum(tp,
-                                                                                          2)))
+    out["tp_s"] = out["tp_s"] + kv_bytes / bw + n_kv * lat * ring_steps(tp)
 
     kv_local = cfg.kv_dim / kv_split(cfg.num_kv_heads, tp)
     kv_chunk = 2 * cols.micro_batch_size * (seq_len / cp) * kv_local * e
@@ -244,7 +248,7 @@ def _dp_comm(cols: LayoutColumns, mem: dict[str, np.ndarray], cluster: ClusterSp
     bw_shard, lat_shard = link(cluster, inner * span, unit * gather_bytes)
     bw_rep, lat_rep = link(cluster, inner * span * rep, unit / shard * g_bytes)
     bw_all, lat_all = link(cluster, inner * dp, unit * g_bytes)
-    lat_steps = lambda n: calls * 2 * np.ceil(np.log2(np.maximum(n, 2)))  # noqa: E731
+    lat_steps = lambda n: calls * ring_steps(n)  # noqa: E731
     # stage 0: one all-reduce of all gradients over dp.
     ar_bytes = ring_factor(dp, "all_reduce") * psi * g_bytes * (stage == 0)
     rs_bytes = ring_factor(shard, "reduce_scatter") * psi * g_bytes * (stage > 0)
